@@ -1,0 +1,97 @@
+"""proxyblocks: composable reverse-proxy building blocks on Trio."""
+
+from blocks.demo import DemoApp, serve_demo_replica
+from blocks.errors import (
+    BadRequest,
+    BlocksError,
+    NoRoute,
+    StreamReset,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from blocks.hops import (
+    INTERNAL_LISTENER,
+    Edge,
+    EdgeConfig,
+    LocalReplica,
+    Proxy,
+    ProxyConfig,
+    Worker,
+    serve_edge,
+    serve_proxy,
+    serve_worker,
+)
+from blocks.http import (
+    Body,
+    BytesBody,
+    Handler,
+    Headers,
+    IterBody,
+    Request,
+    Response,
+    StreamBody,
+    error_response,
+    text_response,
+)
+from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.multiplexer import Address, UpstreamConfig, Upstreams, open_upstreams
+from blocks.routing import LeastInFlight, Policy, Replica, RouteTable
+from blocks.timing import Timing, add_server_timing, parse_server_timing
+from blocks.tls import make_self_signed, server_context
+
+__all__ = [
+    # HTTP types
+    "Body",
+    "BytesBody",
+    "Handler",
+    "Headers",
+    "IterBody",
+    "Request",
+    "Response",
+    "StreamBody",
+    "error_response",
+    "text_response",
+    # errors
+    "BadRequest",
+    "BlocksError",
+    "NoRoute",
+    "StreamReset",
+    "UpstreamConnectError",
+    "UpstreamProtocolError",
+    "UpstreamTimeout",
+    # listener
+    "HTTPServer",
+    "ListenerConfig",
+    "serve_http",
+    # stream multiplexer (client side)
+    "Address",
+    "UpstreamConfig",
+    "Upstreams",
+    "open_upstreams",
+    # routing
+    "LeastInFlight",
+    "Policy",
+    "Replica",
+    "RouteTable",
+    # hops
+    "INTERNAL_LISTENER",
+    "Edge",
+    "EdgeConfig",
+    "LocalReplica",
+    "Proxy",
+    "ProxyConfig",
+    "Worker",
+    "serve_edge",
+    "serve_proxy",
+    "serve_worker",
+    # timing
+    "Timing",
+    "add_server_timing",
+    "parse_server_timing",
+    # TLS and demo
+    "DemoApp",
+    "make_self_signed",
+    "serve_demo_replica",
+    "server_context",
+]

@@ -1,0 +1,342 @@
+"""The part of an HTTP/2 connection that clients and servers share.
+
+Theory of operation. One :class:`H2Driver` owns one ``h2.H2Connection`` on
+one trio stream, and two tasks: the role's reader loop (bytes in, events
+out) and :meth:`H2Driver.writer`, which coalesces everything the state
+machine wants to send into one ``send_all`` per wake-up. Nothing else ever
+touches the socket, so a stream task never blocks on another stream's
+bytes: it calls into the state machine (which never blocks) and kicks the
+writer.
+
+Invariants:
+
+- Outbound DATA never exceeds the stream's or the connection's send window:
+  :meth:`H2Driver.send_data` waits on a per-stream signal that window
+  updates, settings changes and stream closes all set.
+- Inbound DATA is fed to the stream's :class:`~blocks.http.StreamBody`, and
+  its window is returned (``acknowledge_received_data``) only as the
+  consumer reads, so a slow reader holds at most its own stream window.
+  Data for a stream nobody reads any more is acknowledged at once, so it can
+  never starve the connection window.
+- The connection window is opened wide at start (``connection_window``),
+  so that streams do not compete for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import hyperframe.frame
+import trio
+
+from blocks._sync import Signal
+from blocks.errors import StreamReset
+from blocks.http import Body, BytesBody, Headers, StreamBody
+
+log = logging.getLogger("blocks.h2")
+
+_DEFAULT_WINDOW = 65535
+MAX_WINDOW = 2**31 - 1
+
+_NOVALIDATE = dict(
+    validate_inbound_headers=False,
+    normalize_inbound_headers=False,
+    validate_outbound_headers=False,
+    normalize_outbound_headers=False,
+)
+
+
+def make_h2(
+    *,
+    client_side: bool,
+    validate_inbound: bool,
+    max_concurrent_streams: int,
+    stream_window: int,
+    max_header_list_size: int,
+) -> h2.connection.H2Connection:
+    """An ``H2Connection`` configured for one side of one hop.
+
+    Outbound headers are never re-validated: a hop only sends heads it built
+    from a request or response it already accepted. Inbound validation is on
+    only where the peer is untrusted (the edge's listener).
+    """
+    options: dict[str, Any] = dict(_NOVALIDATE)
+    if validate_inbound:
+        options.update(validate_inbound_headers=True, normalize_inbound_headers=True)
+    config = h2.config.H2Configuration(client_side=client_side, header_encoding=None, **options)
+    conn = h2.connection.H2Connection(config)
+    codes = h2.settings.SettingCodes
+    conn.local_settings = h2.settings.Settings(
+        client=client_side,
+        initial_values={
+            codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
+            codes.INITIAL_WINDOW_SIZE: stream_window,
+            codes.MAX_HEADER_LIST_SIZE: max_header_list_size,
+            codes.ENABLE_PUSH: 0,
+        },
+    )
+    return conn
+
+
+class H2Stream:
+    """Per-stream state the drivers keep beside h2's own."""
+
+    __slots__ = (
+        "body",
+        "cancel_scope",
+        "closed",
+        "head",
+        "id",
+        "local_ended",
+        "remote_ended",
+        "signal",
+        "window",
+    )
+
+    def __init__(self, stream_id: int) -> None:
+        self.id = stream_id
+        self.body: StreamBody | None = None  # inbound body, fed by the reader
+        self.head: Any = None  # client: the response head once it arrived
+        self.signal: Signal | None = None  # client: woken when the head arrives or the stream dies
+        self.window: Signal | None = None  # woken when send window may have opened
+        self.cancel_scope: trio.CancelScope | None = None
+        self.closed = False
+        self.local_ended = False
+        self.remote_ended = False
+
+
+class H2Driver:
+    """An ``H2Connection`` on a trio stream, with a coalescing writer."""
+
+    def __init__(self, stream: trio.abc.Stream, conn: h2.connection.H2Connection, *, connection_window: int) -> None:
+        self.stream = stream
+        self.h2 = conn
+        self.streams: dict[int, H2Stream] = {}
+        self.closed = False
+        self._wake = Signal()
+        self._raw: list[bytes] = []  # frames sent around h2's state machine (graceful GOAWAY)
+        self._writer_done = trio.Event()
+        self._connection_window = connection_window
+
+    # -- writing ---------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Ask the writer to flush whatever the state machine has queued."""
+        self._wake.set()
+
+    def start(self) -> None:
+        """Queue the preface and our SETTINGS, and open the connection window."""
+        self.h2.initiate_connection()
+        extra = self._connection_window - _DEFAULT_WINDOW
+        if extra > 0:
+            self.h2.increment_flow_control_window(extra)
+        self.kick()
+
+    async def writer(self) -> None:
+        """Flush queued bytes until the connection closes, then flush once more."""
+        stream = self.stream
+        conn = self.h2
+        try:
+            while True:
+                await self._wake.wait()
+                data = conn.data_to_send()
+                if self._raw:
+                    data += b"".join(self._raw)
+                    self._raw.clear()
+                if data:
+                    await stream.send_all(data)
+                if self.closed:
+                    data = conn.data_to_send()
+                    if data:
+                        await stream.send_all(data)
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.mark_closed()
+        finally:
+            self._writer_done.set()
+
+    def send_graceful_goaway(self, last_stream_id: int) -> None:
+        """Send GOAWAY(NO_ERROR, ``last_stream_id``) and keep the connection open.
+
+        h2 moves its state machine to CLOSED on any GOAWAY it sends, which
+        would forbid finishing the streams in flight (python-hyper/h2#1181),
+        so the frame is written beside it instead. The final GOAWAY, once the
+        streams are done, goes through h2 as usual.
+        """
+        frame = hyperframe.frame.GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
+        self._raw.append(frame.serialize())
+        self.kick()
+
+    def survive_goaway(self, ev: h2.events.ConnectionTerminated) -> bool:
+        """After a peer's graceful GOAWAY, let the streams below its last id finish.
+
+        Returns True when the connection stays usable for those streams. The
+        caller must not open new streams on it. (See :meth:`send_graceful_goaway`
+        for why h2's state is put back.)
+        """
+        if ev.error_code != 0 or not self.streams:
+            return False
+        machine = self.h2.state_machine
+        machine.state = (
+            h2.connection.ConnectionState.CLIENT_OPEN
+            if self.h2.config.client_side
+            else h2.connection.ConnectionState.SERVER_OPEN
+        )
+        return True
+
+    async def flush_and_close(self, timeout: float) -> None:
+        """Let the writer send what is queued (a GOAWAY), then close the stream."""
+        self.mark_closed()
+        with trio.move_on_after(timeout):
+            await self._writer_done.wait()
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(self.stream)
+
+    def mark_closed(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.kick()
+            for st in list(self.streams.values()):
+                self.fail_stream(st, StreamReset("connection closed"))
+
+    # -- streams -----------------------------------------------------------------
+
+    def fail_stream(self, st: H2Stream, error: BaseException) -> None:
+        """The stream is gone: wake everyone who waits on it."""
+        if st.closed:
+            return
+        st.closed = True
+        self.streams.pop(st.id, None)
+        if st.body is not None:
+            st.body.fail(error)
+        if st.signal is not None:
+            st.signal.set()
+        if st.window is not None:
+            st.window.set()
+        self.stream_closed(st)
+
+    def stream_closed(self, st: H2Stream) -> None:
+        """Hook: a stream left ``streams`` (slot accounting in the client)."""
+
+    def finish_stream(self, st: H2Stream) -> None:
+        """Both directions ended normally."""
+        if not st.closed:
+            st.closed = True
+            self.streams.pop(st.id, None)
+            self.stream_closed(st)
+
+    def reset(self, st: H2Stream, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
+        """Reset the stream on the wire (if h2 still thinks it is open) and drop it."""
+        if not self.closed:
+            try:
+                self.h2.reset_stream(st.id, code)
+            except h2.exceptions.ProtocolError:
+                pass
+            self.kick()
+        self.fail_stream(st, StreamReset("stream reset locally"))
+
+    def new_inbound_body(self, st: H2Stream, length: int | None) -> StreamBody:
+        """A body for data the peer sends on ``st``; window returns as it is read."""
+        sid = st.id
+        conn = self.h2
+
+        def consumed(n: int) -> None:
+            if not self.closed:
+                conn.acknowledge_received_data(n, sid)
+                self.kick()
+
+        def abandon() -> None:
+            if not st.closed and conn.streams.get(sid) is not None:
+                stream = conn.streams[sid]
+                if not stream.closed:
+                    self.reset(st)
+
+        body = StreamBody(length, on_consumed=consumed, on_abandon=abandon)
+        st.body = body
+        return body
+
+    def on_data(self, ev: h2.events.DataReceived) -> None:
+        st = self.streams.get(ev.stream_id)
+        data = ev.data or b""
+        size = ev.flow_controlled_length or 0
+        body = st.body if st is not None else None
+        if body is None or body._ended:
+            if size:
+                self.h2.acknowledge_received_data(size, ev.stream_id)
+            return
+        padding = size - len(data)
+        if padding:
+            self.h2.acknowledge_received_data(padding, ev.stream_id)
+        body.feed(data)
+
+    def on_window_updated(self, ev: h2.events.WindowUpdated) -> None:
+        if ev.stream_id:
+            st = self.streams.get(ev.stream_id)
+            if st is not None and st.window is not None:
+                st.window.set()
+        else:
+            self.wake_all_windows()
+
+    def wake_all_windows(self) -> None:
+        for st in self.streams.values():
+            if st.window is not None:
+                st.window.set()
+
+    async def send_data(self, st: H2Stream, data: bytes, end_stream: bool = False) -> None:
+        """Send ``data`` on ``st`` as its send windows allow, waiting for them."""
+        conn = self.h2
+        sid = st.id
+        while True:
+            if st.closed or self.closed:
+                raise StreamReset("stream closed by peer")
+            try:
+                window = conn.local_flow_control_window(sid)
+            except h2.exceptions.ProtocolError as exc:
+                raise StreamReset("stream closed by peer") from exc
+            size = len(data)
+            frame = conn.max_outbound_frame_size
+            if size <= window and size <= frame:
+                conn.send_data(sid, data, end_stream=end_stream)
+                self.kick()
+                return
+            if window > 0:
+                n = min(window, frame)
+                conn.send_data(sid, data[:n])
+                data = data[n:]
+                self.kick()
+                continue
+            if st.window is None:
+                st.window = Signal()
+            await st.window.wait()
+
+    async def send_body(self, st: H2Stream, body: Body) -> None:
+        """Send ``body`` (already known not to be ended) and its trailers on ``st``."""
+        conn = self.h2
+        if type(body) is BytesBody:
+            data = await body.receive()
+            if body.trailers:
+                await self.send_data(st, data)
+                self._send_trailers(st, body.trailers)
+            else:
+                await self.send_data(st, data, end_stream=True)
+            return
+        while chunk := await body.receive():
+            await self.send_data(st, chunk)
+        if st.closed or self.closed:
+            raise StreamReset("stream closed by peer")
+        if body.trailers:
+            self._send_trailers(st, body.trailers)
+        else:
+            conn.end_stream(st.id)
+            self.kick()
+
+    def _send_trailers(self, st: H2Stream, trailers: Headers) -> None:
+        self.h2.send_headers(st.id, trailers, end_stream=True)
+        self.kick()

@@ -1,0 +1,304 @@
+"""HTTP/2 server connections (the listener's h2 side).
+
+One task per connection reads and dispatches frames; one task per stream
+runs the handler and sends its response. A stream's task lives in its own
+cancel scope: a RST_STREAM from the client cancels exactly that handler,
+and whatever the handler holds (an upstream stream, a slot) is released by
+its own cleanup.
+
+Drain: GOAWAY(2^31-1) at once, so the client stops opening streams; after
+``drain_goaway_delay`` a second GOAWAY names the last stream we will serve,
+and later streams are refused; the connection closes when the last stream
+is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import h2.errors
+import h2.events
+import h2.exceptions
+import trio
+
+from blocks._h2 import H2Driver, H2Stream, make_h2
+from blocks.errors import BadRequest, BlocksError, StreamReset
+from blocks.http import Body, Handler, Request, Response, empty_body, error_response
+from blocks.timing import Timing
+
+if TYPE_CHECKING:
+    from blocks.listener import ListenerConfig
+
+log = logging.getLogger("blocks.listener")
+
+_STATUS = {code: b"%d" % code for code in range(100, 600)}
+_CANCEL = h2.errors.ErrorCodes.CANCEL
+_NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
+_REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
+_INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
+
+
+class H2ServerConnection(H2Driver):
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        handler: Handler,
+        config: ListenerConfig,
+        *,
+        client: str,
+        scheme: bytes,
+    ) -> None:
+        conn = make_h2(
+            client_side=False,
+            validate_inbound=config.validate,
+            max_concurrent_streams=config.max_concurrent_streams,
+            stream_window=config.stream_window,
+            max_header_list_size=config.max_header_list_size,
+        )
+        super().__init__(stream, conn, connection_window=config.connection_window)
+        self.handler = handler
+        self.config = config
+        self.client = client
+        self.scheme = scheme
+        self.draining = False
+        self._last_stream_id: int | None = None  # set by the final GOAWAY
+        self._nursery: trio.Nursery | None = None
+        self._done = trio.Event()
+        self._dispatch: dict[type[h2.events.Event], Callable[[Any], None]] = {
+            h2.events.RequestReceived: self._on_request,
+            h2.events.DataReceived: self.on_data,
+            h2.events.StreamEnded: self._on_stream_ended,
+            h2.events.TrailersReceived: self._on_trailers,
+            h2.events.StreamReset: self._on_reset,
+            h2.events.WindowUpdated: self.on_window_updated,
+            h2.events.RemoteSettingsChanged: self._on_settings,
+            h2.events.ConnectionTerminated: self._on_terminated,
+        }
+
+    async def run(self, initial: bytes) -> None:
+        self.start()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self.writer)
+            nursery.start_soon(self._reader, initial)
+            if self.draining:
+                self._begin_drain()
+            await self._done.wait()
+            with trio.move_on_after(self.config.close_timeout):
+                await self._writer_done.wait()
+            nursery.cancel_scope.cancel()
+
+    def mark_closed(self) -> None:
+        super().mark_closed()
+        self._done.set()
+
+    async def _reader(self, initial: bytes) -> None:
+        try:
+            if initial:
+                self._receive(initial)
+            while not self.closed:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    break
+                self._receive(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.mark_closed()
+
+    def _receive(self, data: bytes | bytearray) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            # h2 queued a GOAWAY with the right error code; flush it and go.
+            log.debug("h2 protocol error from %s: %s", self.client, exc)
+            self.mark_closed()
+            return
+        dispatch = self._dispatch
+        for ev in events:
+            handler = dispatch.get(type(ev))
+            if handler is not None:
+                handler(ev)
+        self.kick()
+
+    # -- events ----------------------------------------------------------------
+
+    def _on_request(self, ev: h2.events.RequestReceived) -> None:
+        sid: int = ev.stream_id
+        if self._last_stream_id is not None and sid > self._last_stream_id:
+            self.h2.reset_stream(sid, _REFUSED)
+            return
+        st = H2Stream(sid)
+        self.streams[sid] = st
+        timing = Timing()
+        request = Request(b"", b"", b"", b"", [], empty_body(), self.client, "2", timing)
+        error: BlocksError | None = None
+        try:
+            length = self._fill_request(request, ev.headers)
+        except BlocksError as exc:
+            error = exc
+            length = None
+        if ev.stream_ended is None:
+            request.body = self.new_inbound_body(st, length)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_stream, st, request, error)
+
+    def _fill_request(self, request: Request, raw: list[tuple[bytes, bytes]]) -> int | None:
+        headers = request.headers
+        length = None
+        for name, value in raw:
+            if name[0] == 58:  # b":"
+                if name == b":method":
+                    request.method = value
+                elif name == b":path":
+                    request.path = value
+                elif name == b":authority":
+                    request.authority = value
+                elif name == b":scheme":
+                    request.scheme = value
+                elif self.config.validate:
+                    raise BadRequest(f"unsupported pseudo-header {name!r}", status=400)
+            else:
+                if name == b"content-length":
+                    length = int(value) if value.isdigit() else -1
+                headers.append((name, value))
+        if not self.config.validate:
+            return length
+        # The edge: one canonical, lowercase authority for everything after it.
+        host = request.header(b"host")
+        if not request.authority:
+            if host is None:
+                raise BadRequest("no :authority and no host")
+            request.authority = host
+        elif host is not None and host.lower() != request.authority.lower():
+            raise BadRequest(":authority and host disagree")
+        if host is not None:
+            request.headers = [(n, v) for n, v in headers if n != b"host"]
+        request.authority = request.authority.lower()
+        if request.method == b"CONNECT":
+            raise BadRequest("CONNECT is not supported", status=501)
+        if length is not None and length < 0:
+            raise BadRequest("bad content-length")
+        return length
+
+    def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
+        st = self.streams.get(ev.stream_id)
+        if st is not None and st.body is not None:
+            st.body.end()
+
+    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+        st = self.streams.get(ev.stream_id)
+        if st is not None and st.body is not None:
+            st.body.end(list(ev.headers))
+
+    def _on_reset(self, ev: h2.events.StreamReset) -> None:
+        st = self.streams.get(ev.stream_id)
+        if st is not None:
+            self.fail_stream(st, StreamReset(f"client reset the stream ({ev.error_code!r})"))
+
+    def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+        self.wake_all_windows()
+
+    def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
+        # The client will open no more streams; finish the ones it has.
+        if not self.survive_goaway(ev):
+            self.mark_closed()
+            return
+        self._last_stream_id = ev.last_stream_id or 0
+        self.draining = True
+
+    def fail_stream(self, st: H2Stream, error: BaseException) -> None:
+        super().fail_stream(st, error)
+        if st.cancel_scope is not None:
+            st.cancel_scope.cancel()
+
+    def stream_closed(self, st: H2Stream) -> None:
+        if self._last_stream_id is not None and not self.streams and not self.closed:
+            try:
+                self.h2.close_connection(last_stream_id=self._last_stream_id)
+            except h2.exceptions.ProtocolError:
+                pass
+            self.mark_closed()
+
+    # -- drain ---------------------------------------------------------------------
+
+    def drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        if self._nursery is not None:
+            self._begin_drain()
+
+    def _begin_drain(self) -> None:
+        if self.closed:
+            return
+        self.send_graceful_goaway(2**31 - 1)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._final_goaway)
+
+    async def _final_goaway(self) -> None:
+        await trio.sleep(self.config.drain_goaway_delay)
+        self._last_stream_id = self.h2.highest_inbound_stream_id
+        if not self.streams and not self.closed:
+            self.stream_closed(H2Stream(0))
+
+    # -- streams -------------------------------------------------------------------
+
+    async def _run_stream(self, st: H2Stream, request: Request, error: BlocksError | None) -> None:
+        response: Response | None = None
+        with trio.CancelScope() as scope:
+            st.cancel_scope = scope
+            if st.closed:
+                return
+            try:
+                if error is not None:
+                    response = error_response(error.status)
+                else:
+                    try:
+                        response = await self.handler(request)
+                    except BlocksError as exc:
+                        log.debug("%s %s -> %d: %s", request.method, request.path, exc.status, exc)
+                        response = error_response(exc.status)
+                    except Exception:
+                        log.exception("handler failed for %r %r", request.method, request.path)
+                        response = error_response(500)
+                await self._send_response(st, response)
+            except StreamReset:
+                pass
+            except Exception:
+                log.exception("failed while sending a response")
+                self.reset(st, _INTERNAL)
+        if response is not None:
+            if not st.closed:
+                # Sent in full. A request body the handler left unread is
+                # refused with NO_ERROR (RFC 9113 8.1), never left to stall.
+                if st.body is None or st.body.ended:
+                    self.finish_stream(st)
+                else:
+                    self.reset(st, _NO_ERROR)
+            elif not response.body.ended:
+                await _abandon(response.body)
+            response.closed()
+        elif not st.closed:
+            self.reset(st, _CANCEL)
+
+    async def _send_response(self, st: H2Stream, response: Response) -> None:
+        headers = [(b":status", _STATUS[response.status])]
+        headers += response.headers
+        body = response.body
+        try:
+            if body.ended and not body.trailers:
+                self.h2.send_headers(st.id, headers, end_stream=True)
+                self.kick()
+                return
+            self.h2.send_headers(st.id, headers)
+        except h2.exceptions.ProtocolError as exc:
+            raise StreamReset("stream closed before the response") from exc
+        await self.send_body(st, body)
+
+
+async def _abandon(body: Body) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        await body.aclose()

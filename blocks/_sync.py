@@ -1,0 +1,50 @@
+"""A one-waiter wake-up flag for the hot path.
+
+``trio.Event`` costs a ParkingLot and an allocation per round; the data path
+wakes a task several times per request (writer flushes, body chunks, window
+updates, response heads), always with exactly one waiter. :class:`Signal` is
+the smallest correct primitive for that: ``set()`` from any task, ``wait()``
+from the one owner, auto-reset on wake, cancellable.
+"""
+
+from __future__ import annotations
+
+import trio
+
+
+class Signal:
+    """Auto-reset flag with at most one waiter.
+
+    ``wait()`` returns at once, *without a checkpoint*, if the flag was set
+    since the last wait: the callers are loops that always reach a real
+    checkpoint soon after (a socket operation), and skipping the yield is what
+    makes a buffered chunk cost nothing.
+    """
+
+    __slots__ = ("_flag", "_task")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._task: trio.lowlevel.Task | None = None
+
+    def set(self) -> None:
+        task = self._task
+        if task is not None:
+            self._task = None
+            trio.lowlevel.reschedule(task)
+        else:
+            self._flag = True
+
+    async def wait(self) -> None:
+        if self._flag:
+            self._flag = False
+            return
+        if self._task is not None:
+            raise trio.BusyResourceError("another task is already waiting on this Signal")
+        self._task = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)

@@ -1,0 +1,67 @@
+"""The errors every block raises.
+
+One root, :class:`BlocksError`, carries the HTTP status it maps to, so a
+listener can turn any failure of a handler into a clear response without
+knowing which block raised it. Foreign exceptions (``OSError``, h2's and
+h11's protocol errors) are translated once, where they cross into
+proxyblocks, with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class BlocksError(Exception):
+    """Root of proxyblocks' errors.
+
+    ``status`` is the HTTP status a listener answers with when this error
+    escapes a handler before the response has started. The message is for
+    logs and statistics; it is never written on the wire.
+    """
+
+    status: int = 500
+
+    def __init__(self, message: str = "", *, status: int | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class BadRequest(BlocksError):
+    """The request is malformed: 400. Raised at the edge, before any upstream is touched."""
+
+    status = 400
+
+
+class NoRoute(BlocksError):
+    """No route for the authority, or no live replica behind it: 503 at once."""
+
+    status = 503
+
+
+class UpstreamConnectError(BlocksError):
+    """The upstream refused or dropped the connection before answering: 502."""
+
+    status = 502
+
+
+class UpstreamProtocolError(BlocksError):
+    """The upstream broke the protocol or reset the stream before a response: 502."""
+
+    status = 502
+
+
+class UpstreamTimeout(BlocksError):
+    """The upstream did not answer within the configured timeout: 504."""
+
+    status = 504
+
+
+class StreamReset(BlocksError):
+    """The peer reset a stream whose body was being read or written.
+
+    Raised by :meth:`blocks.Body.receive` and by sends on a stream that the
+    other side abandoned. ``status`` only matters if it escapes before a
+    response started (then 502: the body we were relaying broke).
+    """
+
+    status = 502

@@ -1,0 +1,303 @@
+"""The three hops of the chain: edge, proxy and worker.
+
+Each hop is a handler (``async def handle(request) -> Response``) around a
+shared :class:`~blocks.multiplexer.Upstreams`, and a ``serve_*`` function
+that runs it on a listener::
+
+    client --h1/h2/TLS--> Edge --h2--> Proxy --h2--> Worker --h2|h1--> replica
+
+- :class:`Edge` faces the clients: the listener validates every head there,
+  the edge drops hop-by-hop and internal (``x-proxyblocks-*``) fields, sets
+  ``x-forwarded-for``/``x-forwarded-proto``, and sends everything to the
+  proxy over pooled h2.
+- :class:`Proxy` maps the authority to an app and the app to a replica
+  (in memory), and forwards to the replica's worker, naming the replica in
+  ``x-proxyblocks-replica``.
+- :class:`Worker` relays each stream to its local replica over h2 or h1 and
+  counts what is in flight per replica.
+
+Behind the edge every hop trusts the one before it: heads are validated
+once, at the edge, and internal listeners run with ``validate=False``.
+Each hop appends its entries to the response's ``server-timing`` header
+(see :mod:`blocks.timing`).
+"""
+
+from __future__ import annotations
+
+import functools
+import ssl
+from collections.abc import Mapping
+from time import perf_counter
+
+import attrs
+import trio
+
+from blocks.errors import NoRoute
+from blocks.http import HOP_BY_HOP, Headers, Request, Response
+from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.multiplexer import Address, UpstreamConfig, Upstreams, open_upstreams
+from blocks.routing import LeastInFlight, Policy, RouteTable
+from blocks.timing import Timing, add_server_timing
+
+INTERNAL_PREFIX = b"x-proxyblocks-"
+REPLICA_HEADER = b"x-proxyblocks-replica"
+_FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
+
+
+def _timing(request: Request) -> Timing:
+    timing = request.timing
+    if timing is None:
+        timing = request.timing = Timing()
+    return timing
+
+
+# -- edge ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class EdgeConfig:
+    """``proxy``: where the proxy listens. ``trust_forwarded``: keep the
+    client's own ``x-forwarded-*`` fields (only behind another trusted hop)."""
+
+    proxy: Address
+    name: str = "edge"
+    trust_forwarded: bool = False
+
+
+class Edge:
+    def __init__(self, config: EdgeConfig, upstreams: Upstreams) -> None:
+        self.config = config
+        self.upstreams = upstreams
+        self._via = config.name.encode()
+
+    def upstream_headers(self, request: Request) -> Headers:
+        """The request's fields as the proxy will see them."""
+        drop_forwarded = not self.config.trust_forwarded
+        connection_tokens: set[bytes] = set()
+        for name, value in request.headers:
+            if name == b"connection":
+                connection_tokens.update(t.strip().lower() for t in value.split(b","))
+        headers: Headers = []
+        for name, value in request.headers:
+            if (
+                name in HOP_BY_HOP
+                or name.startswith(INTERNAL_PREFIX)
+                or (drop_forwarded and name in _FORWARDED)
+                or name in connection_tokens
+            ):
+                if name == b"te" and value.strip().lower() == b"trailers":
+                    headers.append((name, value))  # the one TE value h2 allows
+                continue
+            headers.append((name, value))
+        if drop_forwarded:
+            headers.append((b"x-forwarded-for", request.client.encode()))
+            headers.append((b"x-forwarded-proto", request.scheme))
+        headers.append((b"via", request.http_version.encode() + b" " + self._via))
+        return headers
+
+    async def handle(self, request: Request) -> Response:
+        timing = _timing(request)
+        headers = self.upstream_headers(request)
+        start = perf_counter()
+        response = await self.upstreams.request(self.config.proxy, request, headers)
+        timing.upstream = perf_counter() - start
+        response.headers = add_server_timing(response.headers, timing.entries(self.config.name, total=True))
+        return response
+
+
+# -- proxy ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ProxyConfig:
+    name: str = "proxy"
+
+
+@attrs.define(eq=False)
+class ProxyStatistics:
+    in_flight: dict[str, int]
+    no_route: int
+
+
+class Proxy:
+    """Routes by authority from an in-memory :class:`RouteTable`; never awaits for a decision."""
+
+    def __init__(
+        self,
+        routes: RouteTable,
+        upstreams: Upstreams,
+        *,
+        policy: Policy | None = None,
+        config: ProxyConfig | None = None,
+    ) -> None:
+        self.routes = routes
+        self.upstreams = upstreams
+        self.policy: Policy = policy or LeastInFlight()
+        self.config = config or ProxyConfig()
+        self.in_flight: dict[str, int] = {}
+        self._no_route = 0
+        self._via = (b"via", b"2 " + self.config.name.encode())
+        self._phase = f"{self.config.name}-route"
+
+    def statistics(self) -> ProxyStatistics:
+        return ProxyStatistics(dict(self.in_flight), self._no_route)
+
+    async def handle(self, request: Request) -> Response:
+        timing = _timing(request)
+        start = perf_counter()
+        routes = self.routes
+        app = routes.app_for(request.authority)
+        candidates = routes.replicas(app) if app is not None else None
+        if not candidates:
+            self._no_route += 1
+            raise NoRoute(
+                f"no live replica for {request.authority!r}" if app else f"no route for {request.authority!r}"
+            )
+        in_flight = self.in_flight
+        replica = self.policy.pick(candidates, in_flight)
+        name = replica.name
+        routed = perf_counter()
+        timing.phase(self._phase, routed - start)
+        headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
+        in_flight[name] = in_flight.get(name, 0) + 1
+        try:
+            response = await self.upstreams.request(replica.worker, request, headers)
+        except BaseException:
+            in_flight[name] -= 1
+            raise
+        timing.upstream = perf_counter() - routed
+
+        def done() -> None:
+            in_flight[name] -= 1
+
+        response.call_on_close(done)
+        response.headers = add_server_timing(response.headers, timing.entries(self.config.name))
+        return response
+
+
+# -- worker -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LocalReplica:
+    """A replica as its worker reaches it."""
+
+    address: Address
+    protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
+
+
+@attrs.define(eq=False)
+class WorkerStatistics:
+    in_flight: dict[str, int]
+    served: dict[str, int]
+
+
+class Worker:
+    """Relays each stream to the replica the proxy named, counting in-flight per replica."""
+
+    def __init__(self, replicas: Mapping[str, LocalReplica], upstreams: Upstreams, *, name: str = "worker") -> None:
+        self.replicas = {key.encode(): value for key, value in replicas.items()}
+        self.upstreams = upstreams
+        self.name = name
+        self.in_flight: dict[str, int] = dict.fromkeys(replicas, 0)
+        self.served: dict[str, int] = dict.fromkeys(replicas, 0)
+        self._via = (b"via", b"2 " + name.encode())
+
+    def statistics(self) -> WorkerStatistics:
+        return WorkerStatistics(dict(self.in_flight), dict(self.served))
+
+    async def handle(self, request: Request) -> Response:
+        timing = _timing(request)
+        headers = request.headers
+        if headers and headers[-1][0] == REPLICA_HEADER:  # where the proxy puts it
+            key = headers[-1][1]
+            headers = headers[:-1]
+        else:
+            found = [v for n, v in headers if n == REPLICA_HEADER]
+            key = found[0] if found else b""
+            headers = [(n, v) for n, v in headers if n != REPLICA_HEADER]
+        target = self.replicas.get(key)
+        if target is None:
+            if key or len(self.replicas) != 1:
+                raise NoRoute(f"replica {key!r} is not on this worker")
+            key, target = next(iter(self.replicas.items()))
+        headers.append(self._via)
+        name = key.decode()
+        in_flight = self.in_flight
+        in_flight[name] += 1
+        start = perf_counter()
+        try:
+            response = await self.upstreams.request(target.address, request, headers, protocol=target.protocol)
+        except BaseException:
+            in_flight[name] -= 1
+            raise
+        timing.upstream = perf_counter() - start
+        self.served[name] += 1
+
+        def done() -> None:
+            in_flight[name] -= 1
+
+        response.call_on_close(done)
+        response.headers = add_server_timing(response.headers, timing.entries(self.name, upstream_name="app"))
+        return response
+
+
+# -- serving ----------------------------------------------------------------------------
+
+INTERNAL_LISTENER = ListenerConfig(validate=False, max_concurrent_streams=1000)
+"""Listener settings for hops that only hear from a validating hop."""
+
+
+async def serve_edge(
+    config: EdgeConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
+    listener: ListenerConfig | None = None,
+    upstream: UpstreamConfig | None = None,
+    task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run an :class:`Edge` on a validating listener until cancelled or drained."""
+    async with open_upstreams(upstream) as upstreams:
+        edge = Edge(config, upstreams)
+        await serve_http(
+            edge.handle, host=host, port=port, ssl_context=ssl_context, config=listener, task_status=task_status
+        )
+
+
+async def serve_proxy(
+    routes: RouteTable,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    policy: Policy | None = None,
+    config: ProxyConfig | None = None,
+    listener: ListenerConfig = INTERNAL_LISTENER,
+    upstream: UpstreamConfig | None = None,
+    task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a :class:`Proxy`; ``task_status`` gets ``(server, proxy)``."""
+    async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
+        proxy = Proxy(routes, upstreams, policy=policy, config=config)
+        serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener)
+        server = await nursery.start(serve)
+        task_status.started((server, proxy))
+
+
+async def serve_worker(
+    replicas: Mapping[str, LocalReplica],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    name: str = "worker",
+    listener: ListenerConfig = INTERNAL_LISTENER,
+    upstream: UpstreamConfig | None = None,
+    task_status: trio.TaskStatus[tuple[HTTPServer, Worker]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a :class:`Worker` for ``replicas``; ``task_status`` gets ``(server, worker)``."""
+    async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
+        worker = Worker(replicas, upstreams, name=name)
+        serve = functools.partial(serve_http, worker.handle, host=host, port=port, config=listener)
+        server = await nursery.start(serve)
+        task_status.started((server, worker))

@@ -1,0 +1,333 @@
+"""Request and response types shared by every block.
+
+A handler is ``async def handler(request: Request) -> Response``. Heads are
+plain data; bodies are :class:`Body` objects that stream with back-pressure in
+both directions at once: a handler may return its :class:`Response` (and the
+listener starts sending it) while it is still reading ``request.body``, which
+is what bidirectional streaming (gRPC, an echo, a proxy) needs.
+
+Header names are lowercase ``bytes``; values are ``bytes``; a header list is
+an ordinary ``list`` of pairs so that building and forwarding one costs no
+conversions. Pseudo-headers never appear in ``headers``: they are the
+request's ``method``/``scheme``/``authority``/``path`` and the response's
+``status``.
+
+Flow control lives in the bodies. A :class:`StreamBody` fed by a connection
+returns flow-control credit to the peer only as its consumer reads, so a slow
+reader holds back its own sender and nobody else.
+"""
+
+from __future__ import annotations
+
+import collections
+import http
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import attrs
+
+from blocks._sync import Signal
+from blocks.errors import StreamReset
+
+if TYPE_CHECKING:
+    from blocks.timing import Timing
+
+Headers = list[tuple[bytes, bytes]]
+"""Lowercase header names and their values, in wire order."""
+
+
+class Body:
+    """A stream of byte chunks, optionally followed by trailers.
+
+    ``receive()`` returns the next non-empty chunk, or ``b""`` once the body
+    has ended; after that ``trailers`` holds the trailing header fields (or
+    ``None``). ``length`` is the declared length when one is known.
+    ``aclose()`` abandons the body early: the producer is told to stop (an h2
+    stream is reset, an h1 connection is not reused).
+    """
+
+    __slots__ = ("length", "trailers")
+
+    def __init__(self, length: int | None = None) -> None:
+        self.length = length
+        self.trailers: Headers | None = None
+
+    @property
+    def ended(self) -> bool:
+        """True when nothing more will come: ``receive()`` would return ``b""``."""
+        return False
+
+    async def receive(self) -> bytes:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[bytes]:
+        while chunk := await self.receive():
+            yield chunk
+
+    async def read_all(self, limit: int = 16 * 1024 * 1024) -> bytes:
+        """Collect the whole body (tests and small control bodies only)."""
+        parts = []
+        size = 0
+        while chunk := await self.receive():
+            size += len(chunk)
+            if size > limit:
+                await self.aclose()
+                raise ValueError(f"body larger than {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+class BytesBody(Body):
+    """A body whose bytes are all known up front."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes = b"", trailers: Headers | None = None) -> None:
+        super().__init__(len(data))
+        self._data = data
+        self.trailers = trailers
+
+    @property
+    def ended(self) -> bool:
+        return not self._data
+
+    @property
+    def data(self) -> bytes:
+        """What ``receive()`` has yet to return."""
+        return self._data
+
+    async def receive(self) -> bytes:
+        data, self._data = self._data, b""
+        return data
+
+
+def empty_body() -> BytesBody:
+    """An ended body: what a GET carries."""
+    return BytesBody()
+
+
+class IterBody(Body):
+    """A body produced by an async iterator (a handler streaming its output).
+
+    ``trailers`` may be set by the producer before its iterator finishes.
+    """
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, chunks: AsyncIterator[bytes], length: int | None = None) -> None:
+        super().__init__(length)
+        self._iterator = chunks
+
+    async def receive(self) -> bytes:
+        async for chunk in self._iterator:
+            if chunk:
+                return chunk
+        return b""
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class StreamBody(Body):
+    """A body pushed by a connection driver, pulled by one consumer.
+
+    The driver calls :meth:`feed`, :meth:`end` or :meth:`fail`; none of them
+    block. ``on_consumed(n)`` is called as the consumer takes ``n`` bytes:
+    that is where an h2 driver returns stream window to the peer, so what
+    sits in the buffer is bounded by the window the driver advertised.
+    ``on_abandon()`` is called once if the consumer closes the body before
+    its end.
+    """
+
+    __slots__ = ("_chunks", "_ended", "_error", "_signal", "on_abandon", "on_consumed")
+
+    def __init__(
+        self,
+        length: int | None = None,
+        *,
+        on_consumed: Callable[[int], None] | None = None,
+        on_abandon: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(length)
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._ended = False
+        self._error: BaseException | None = None
+        self._signal = Signal()
+        self.on_consumed = on_consumed
+        self.on_abandon = on_abandon
+
+    # -- producer side -------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        if data and not self._ended:
+            self._chunks.append(data)
+            self._signal.set()
+
+    def end(self, trailers: Headers | None = None) -> None:
+        if not self._ended:
+            self._ended = True
+            self.trailers = trailers
+            self._signal.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self._ended:
+            self._ended = True
+            self._error = error
+            self._signal.set()
+
+    # -- consumer side -------------------------------------------------------
+
+    @property
+    def ended(self) -> bool:
+        return self._ended and not self._chunks and self._error is None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet received."""
+        return sum(map(len, self._chunks))
+
+    async def receive(self) -> bytes:
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                if self.on_consumed is not None:
+                    self.on_consumed(len(chunk))
+                return chunk
+            if self._ended:
+                if self._error is not None:
+                    raise StreamReset(str(self._error)) from self._error
+                return b""
+            await self._signal.wait()
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._chunks.clear()
+            if self.on_abandon is not None:
+                self.on_abandon()
+
+
+@attrs.define(eq=False)
+class Request:
+    """An HTTP request head and its body, whatever the protocol it came in on.
+
+    ``authority`` is the canonical authority (``:authority``, or ``Host`` on
+    HTTP/1.1), lowercase. ``client`` is the peer's address as text.
+    ``timing`` collects this hop's Server-Timing phases.
+    """
+
+    method: bytes
+    scheme: bytes
+    authority: bytes
+    path: bytes
+    headers: Headers = attrs.field(factory=list)
+    body: Body = attrs.field(factory=empty_body)
+    client: str = ""
+    http_version: str = "2"
+    timing: Timing | None = None
+
+    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
+        """The first value of header ``name`` (lowercase), or ``default``."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return default
+
+
+@attrs.define(eq=False)
+class Response:
+    """A response head and its body. Trailers travel on the body."""
+
+    status: int
+    headers: Headers = attrs.field(factory=list)
+    body: Body = attrs.field(factory=empty_body)
+    _on_close: list[Callable[[], None]] | None = attrs.field(default=None, alias="on_close")
+
+    def call_on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the response has been sent in full, or abandoned.
+
+        This is where a layer releases what it holds for the request's whole
+        life (an in-flight count, a scheduler slot): the listener calls every
+        callback exactly once, in the order they were added, on every path.
+        """
+        if self._on_close is None:
+            self._on_close = [callback]
+        else:
+            self._on_close.append(callback)
+
+    def closed(self) -> None:
+        """Called by the listener when the response is done; runs the callbacks."""
+        callbacks, self._on_close = self._on_close, None
+        if callbacks:
+            for callback in callbacks:
+                callback()
+
+    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return default
+
+
+def error_response(status: int) -> Response:
+    """The body-and-head every hop answers an error with: the status and its phrase."""
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    return text_response(status, f"{status} {phrase}\n")
+
+
+def text_response(status: int, text: str, headers: Headers | None = None) -> Response:
+    """A small plain-text response (error pages, demo endpoints)."""
+    data = text.encode()
+    head: Headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"%d" % len(data))]
+    if headers:
+        head.extend(headers)
+    return Response(status, head, BytesBody(data))
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+"""What a listener serves: ``async def handler(request) -> Response``."""
+
+# Hop-by-hop fields (RFC 9110 7.6.1) and the h1-only framing fields that must
+# never be forwarded as they are: each hop frames its own messages.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"transfer-encoding",
+        b"upgrade",
+        b"http2-settings",
+    }
+)
+
+
+def strip_hop_by_hop(headers: Headers) -> Headers:
+    """``headers`` without hop-by-hop fields, nor the fields ``connection`` names.
+
+    Returns the same list object when there is nothing to drop, which is the
+    common case on internal hops.
+    """
+    drop: set[bytes] | frozenset[bytes] = HOP_BY_HOP
+    found = False
+    for name, value in headers:
+        if name in HOP_BY_HOP:
+            found = True
+            if name == b"connection":
+                drop = HOP_BY_HOP | {token.strip().lower() for token in value.split(b",")}
+    if not found:
+        return headers
+    return [(name, value) for name, value in headers if name not in drop]

@@ -1,0 +1,251 @@
+"""The listener: one port, HTTP/1.1 and HTTP/2, cleartext or TLS.
+
+:func:`serve_http` accepts connections and serves each with a handler
+(``async def handler(request) -> Response``). Every connection is sniffed
+once: TLS connections pick their protocol by ALPN (``h2`` or
+``http/1.1``); cleartext ones that open with the HTTP/2 preface are h2c
+(prior knowledge), anything else is HTTP/1.1 through h11. Both protocols
+produce the same :class:`~blocks.http.Request`.
+
+Guarantees:
+
+- A handler's exception never reaches the wire as a traceback: a
+  :class:`~blocks.errors.BlocksError` becomes its status, anything else a
+  500; after the response started, the stream is reset (h2) or the
+  connection closed (h1).
+- Nothing one connection does can stop the listener, and nothing one
+  stream does can break its connection's other streams.
+- :meth:`HTTPServer.drain` stops accepting, sends h2 clients a GOAWAY and
+  h1 clients ``connection: close``, lets requests in flight finish, and
+  cancels what is left at the deadline.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import ssl
+from typing import Any
+
+import attrs
+import trio
+
+from blocks._h1server import serve_h1
+from blocks._h2server import H2ServerConnection
+from blocks.http import Handler
+
+log = logging.getLogger("blocks.listener")
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+@attrs.frozen(kw_only=True)
+class ListenerConfig:
+    """How a listener treats its peers. Durations in seconds.
+
+    ``validate``: check every inbound head fully (h2's header rules, one
+    canonical authority). On for anything a stranger can reach; internal
+    hops that only hear from a validating hop turn it off, which is where a
+    chain's speed comes from.
+    """
+
+    validate: bool = True
+    max_concurrent_streams: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    stream_window: int = attrs.field(
+        default=256 * 1024, validator=[attrs.validators.ge(65535), attrs.validators.le(2**31 - 1)]
+    )
+    connection_window: int = attrs.field(
+        default=16 * 1024 * 1024, validator=[attrs.validators.ge(65535), attrs.validators.le(2**31 - 1)]
+    )
+    max_header_list_size: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1024))
+    tls_handshake_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    first_bytes_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    h1_idle_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    close_timeout: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
+    drain_goaway_delay: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen
+class ServerStatistics:
+    connections: int
+    accepted: int
+    draining: bool
+
+
+@attrs.define(eq=False)
+class HTTPServer:
+    """A running listener. Obtain one from ``await nursery.start(serve_http, ...)``."""
+
+    handler: Handler
+    config: ListenerConfig
+    ssl_context: ssl.SSLContext | None
+    port: int = 0
+    host: str = ""
+    draining: bool = False
+    _accepted: int = 0
+    _connections: set[Any] = attrs.field(factory=set)
+    _accept_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    _conn_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    _idle: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_context is not None else "http"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    def statistics(self) -> ServerStatistics:
+        return ServerStatistics(connections=len(self._connections), accepted=self._accepted, draining=self.draining)
+
+    def drain(self) -> None:
+        """Stop accepting and ask every connection to finish what it has."""
+        if self.draining:
+            return
+        self.draining = True
+        self._accept_scope.cancel()
+        for conn in list(self._connections):
+            conn.drain()
+        if not self._connections:
+            self._idle.set()
+
+    async def aclose(self, grace: float = 10.0) -> None:
+        """Drain, wait up to ``grace`` seconds for requests in flight, then cancel the rest."""
+        self.drain()
+        with trio.move_on_after(grace):
+            await self._idle.wait()
+        self._conn_scope.cancel()
+
+    async def _serve(self, listeners: list[trio.SocketListener], task_status: trio.TaskStatus[HTTPServer]) -> None:
+        with self._conn_scope:
+            async with trio.open_nursery() as conn_nursery:
+                with self._accept_scope:
+                    async with trio.open_nursery() as accept_nursery:
+                        await accept_nursery.start(
+                            functools.partial(
+                                trio.serve_listeners, self._handle, listeners, handler_nursery=conn_nursery
+                            )
+                        )
+                        task_status.started(self)
+                # Draining: serve_listeners closed the listeners on its way out;
+                # the nursery returns once every connection has finished.
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self._accepted += 1
+        handle = _Connection(self, stream)
+        self._connections.add(handle)
+        try:
+            await handle.run()
+        except Exception:
+            log.exception("connection failed")
+        finally:
+            self._connections.discard(handle)
+            if self.draining and not self._connections:
+                self._idle.set()
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+
+class _Connection:
+    """Sniffs one accepted connection and runs its protocol."""
+
+    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.stream = stream
+        self.proto: Any = None
+        self._draining = False
+
+    def drain(self) -> None:
+        self._draining = True
+        if self.proto is not None:
+            self.proto.drain()
+
+    async def run(self) -> None:
+        server = self.server
+        config = server.config
+        try:
+            peer = self.stream.socket.getpeername()
+            client = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        except OSError:
+            client = ""
+        transport: trio.abc.Stream = self.stream
+        initial = b""
+        if server.ssl_context is not None:
+            tls = trio.SSLStream(self.stream, server.ssl_context, server_side=True, https_compatible=True)
+            with trio.move_on_after(config.tls_handshake_timeout) as scope:
+                try:
+                    await tls.do_handshake()
+                except trio.BrokenResourceError:
+                    return
+            if scope.cancelled_caught:
+                return
+            transport = tls
+            is_h2 = tls.selected_alpn_protocol() == "h2"
+            scheme = b"https"
+        else:
+            scheme = b"http"
+            with trio.move_on_after(config.first_bytes_timeout):
+                while len(initial) < len(H2_PREFACE):
+                    data = await transport.receive_some(65536)
+                    if not data:
+                        return
+                    initial += data
+                    if not H2_PREFACE.startswith(initial[: len(H2_PREFACE)]):
+                        break
+            if not initial:
+                return
+            is_h2 = initial.startswith(H2_PREFACE)
+        if is_h2:
+            self.proto = H2ServerConnection(transport, server.handler, config, client=client, scheme=scheme)
+            if self._draining:
+                self.proto.drain()
+            await self.proto.run(initial)
+        else:
+            self.proto = _H1Drain()
+            if self._draining:
+                self.proto.drain()
+            await serve_h1(
+                transport,
+                server.handler,
+                config,
+                client=client,
+                scheme=scheme,
+                initial=initial,
+                drain=self.proto,
+            )
+
+
+class _H1Drain:
+    """Drain flag for an HTTP/1.1 connection: finish this request, then close."""
+
+    def __init__(self) -> None:
+        self.draining = False
+
+    def drain(self) -> None:
+        self.draining = True
+
+
+async def serve_http(
+    handler: Handler,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
+    config: ListenerConfig | None = None,
+    task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``handler`` on ``host:port`` until cancelled or drained.
+
+    Start it with ``server = await nursery.start(serve_http, handler)``;
+    ``server.port`` is the bound port (``port=0`` picks a free one). With an
+    ``ssl_context``, ALPN offers ``h2`` and ``http/1.1`` (set here unless the
+    context already has protocols). Returns once a drain has finished.
+    """
+    config = config or ListenerConfig()
+    if ssl_context is not None:
+        ssl_context.set_alpn_protocols(["h2", "http/1.1"])
+    listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+    sockname = listeners[0].socket.getsockname()
+    server = HTTPServer(handler, config, ssl_context, port=sockname[1], host=host)
+    await server._serve(listeners, task_status)
