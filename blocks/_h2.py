@@ -92,6 +92,7 @@ class H2Stream:
         "body",
         "cancel_scope",
         "closed",
+        "error",
         "head",
         "id",
         "local_ended",
@@ -104,6 +105,7 @@ class H2Stream:
         self.id = stream_id
         self.body: StreamBody | None = None  # inbound body, fed by the reader
         self.head: Any = None  # client: the response head once it arrived
+        self.error: BaseException | None = None  # client: why no head will come
         self.signal: Signal | None = None  # client: woken when the head arrives or the stream dies
         self.window: Signal | None = None  # woken when send window may have opened
         self.cancel_scope: trio.CancelScope | None = None

@@ -54,17 +54,20 @@ _CANCEL = h2.errors.ErrorCodes.CANCEL
 class UpstreamConfig:
     """Knobs of the upstream pools. Durations in seconds.
 
-    ``response_timeout`` bounds the wait for a response head (504 past it);
-    a streaming body after the head is not bounded by it.
+    ``response_timeout`` bounds the wait for a response head (504 past it),
+    checked every ``timeout_resolution`` seconds; a streaming body after the
+    head is not bounded by it.
     """
 
     connect_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     response_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
-    max_connections: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    max_connections: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    max_streams_per_connection: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     max_idle_h1: int = attrs.field(default=64, validator=attrs.validators.ge(0))
     stream_window: int = attrs.field(default=256 * 1024, validator=attrs.validators.ge(65535))
     connection_window: int = attrs.field(default=16 * 1024 * 1024, validator=attrs.validators.ge(65535))
     max_header_list_size: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1024))
+    timeout_resolution: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
 
 
 @attrs.frozen
@@ -92,6 +95,7 @@ class H2ClientConnection(H2Driver):
         )
         super().__init__(stream, conn, connection_window=config.connection_window)
         self.pool = pool
+        self._cap = config.max_streams_per_connection
         self.accepting = True  # false after a GOAWAY or a failure: no new streams
         self._nursery: trio.Nursery | None = None
         self._ready = trio.Event()
@@ -112,7 +116,11 @@ class H2ClientConnection(H2Driver):
 
     @property
     def has_slot(self) -> bool:
-        return self.accepting and len(self.streams) < self.h2.remote_settings.max_concurrent_streams
+        # Our own cap sits below the peer's: h2 scans every stream of a
+        # connection each time one opens, so a few moderately loaded
+        # connections cost far less CPU than one crowded one.
+        n = len(self.streams)
+        return self.accepting and n < self._cap and n < self.h2.remote_settings.max_concurrent_streams
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.start()
@@ -210,21 +218,19 @@ class H2ClientConnection(H2Driver):
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 await body.aclose()
 
-    async def response(self, st: H2Stream, timeout: float) -> Response:
-        """Wait for the response head on ``st``."""
+    async def response(self, st: H2Stream) -> Response:
+        """Wait for the response head on ``st`` (the pool's sweeper bounds the wait)."""
         if st.head is None and not st.closed:
             assert st.signal is not None
             try:
-                with trio.move_on_after(timeout) as scope:
-                    await st.signal.wait()
+                await st.signal.wait()
             except BaseException:
                 self.reset(st, _CANCEL)
                 raise
-            if scope.cancelled_caught:
-                self.reset(st, _CANCEL)
-                raise UpstreamTimeout(f"no response from {self.pool.address} within {timeout}s")
         head: Response | None = st.head
         if head is None:
+            if st.error is not None:
+                raise st.error
             raise UpstreamProtocolError(f"upstream {self.pool.address} dropped the stream before a response")
         return head
 
@@ -234,6 +240,7 @@ class H2ClientConnection(H2Driver):
             st.cancel_scope.cancel()
 
     def stream_closed(self, st: H2Stream) -> None:
+        self.pool.waiting.pop(st, None)
         self.pool.slot_freed()
         if not self.accepting and not self.streams and not self.closed:
             try:
@@ -261,6 +268,7 @@ class H2ClientConnection(H2Driver):
                 headers.append((name, value))
         body = empty_body() if ev.stream_ended is not None else self.new_inbound_body(st, length)
         st.head = Response(status, headers, body)
+        self.pool.waiting.pop(st, None)
         if st.signal is not None:
             st.signal.set()
 
@@ -313,6 +321,10 @@ class _H2Pool:
         self.config = config
         self.nursery = nursery
         self.connections: list[H2ClientConnection] = []
+        # Streams waiting for a response head -> their deadline. Insertion
+        # order is deadline order (one timeout per pool), so the sweeper only
+        # looks at the front.
+        self.waiting: dict[H2Stream, tuple[float, H2ClientConnection]] = {}
         self._attempt: _Attempt | None = None
         self._freed = trio.Event()
 
@@ -362,16 +374,33 @@ class _H2Pool:
                 self._freed = trio.Event()
             await self._freed.wait()
 
+    def expire(self, now: float) -> None:
+        """Fail every stream whose response head is overdue: 504."""
+        waiting = self.waiting
+        while waiting:
+            st = next(iter(waiting))
+            deadline, conn = waiting[st]
+            if deadline > now:
+                return
+            del waiting[st]
+            st.error = UpstreamTimeout(f"no response from {self.address} within {self.config.response_timeout}s")
+            conn.reset(st, _CANCEL)
+
     async def request(self, request: Request, headers: Headers, timeout: float) -> Response:
-        with trio.move_on_after(timeout) as scope:
-            conn = await self.acquire()
-        if scope.cancelled_caught:
-            raise UpstreamTimeout(f"no free stream to {self.address} within {timeout}s")
+        for conn in self.connections:
+            if conn.has_slot:
+                break
+        else:
+            with trio.move_on_after(timeout) as scope:
+                conn = await self.acquire()
+            if scope.cancelled_caught:
+                raise UpstreamTimeout(f"no free stream to {self.address} within {timeout}s")
         try:
             st = conn.open_stream(request, headers)
         except h2.exceptions.ProtocolError as exc:
             raise UpstreamProtocolError(f"cannot open a stream to {self.address}: {exc}") from exc
-        return await conn.response(st, timeout)
+        self.waiting[st] = (trio.current_time() + timeout, conn)
+        return await conn.response(st)
 
 
 # -- HTTP/1.1 ---------------------------------------------------------------------------
@@ -578,6 +607,17 @@ class Upstreams:
     def statistics(self) -> list[PoolStatistics]:
         return [pool.statistics() for pool in self._pools.values()]
 
+    async def _sweep(self) -> None:
+        # One timer for every response-head deadline of this hop: far cheaper
+        # than a cancel scope per request, at the cost of this resolution.
+        resolution = self.config.timeout_resolution
+        while True:
+            await trio.sleep(resolution)
+            now = trio.current_time()
+            for pool in self._pools.values():
+                if type(pool) is _H2Pool and pool.waiting:
+                    pool.expire(now)
+
     async def request(
         self,
         address: Address,
@@ -619,6 +659,7 @@ async def open_upstreams(config: UpstreamConfig | None = None) -> AsyncIterator[
     """
     async with trio.open_nursery() as nursery:
         upstreams = Upstreams(config or UpstreamConfig(), nursery)
+        nursery.start_soon(upstreams._sweep)
         try:
             yield upstreams
         finally:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from time import perf_counter
 
+from hpack import NeverIndexedHeaderTuple
+
 from blocks.http import Headers
 
 SERVER_TIMING = b"server-timing"
@@ -71,6 +73,7 @@ def add_server_timing(headers: Headers, entries: bytes) -> Headers:
     """Append ``entries`` to the one ``server-timing`` field, creating it if needed.
 
     Several ``server-timing`` fields from upstream are folded into one.
+    Returns a new list; ``headers`` is not changed.
     """
     merged: list[bytes] = []
     rest: Headers = []
@@ -80,7 +83,9 @@ def add_server_timing(headers: Headers, entries: bytes) -> Headers:
         else:
             rest.append((name, value))
     merged.append(entries)
-    rest.append((SERVER_TIMING, b", ".join(merged)))
+    # Never indexed: the value differs on every response, and indexing it
+    # would only evict useful entries from both peers' HPACK tables.
+    rest.append(NeverIndexedHeaderTuple(SERVER_TIMING, b", ".join(merged)))
     return rest
 
 
