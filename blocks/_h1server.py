@@ -111,7 +111,14 @@ def _request_from(event: h11.Request, reader: _Reader, client: str, scheme: byte
         target = slash + path or b"/"
     if not authority:
         raise BadRequest("no host")
-    body: Body = H1RequestBody(reader, length) if has_body else empty_body()
+    body: Body
+    if has_body:
+        body = H1RequestBody(reader, length)
+    else:
+        # h11 has the (empty) end of this message already: take it now, so the
+        # connection is ready for the next request once the response is out.
+        reader.conn.next_event()
+        body = empty_body()
     return Request(
         event.method,
         scheme,
@@ -189,6 +196,9 @@ async def serve_h1(
                 response = error_response(500)
         else:
             response = error_response(error or 400)
+        if request is not None and request.method == b"HEAD" and not response.body.ended:
+            await response.body.aclose()
+            response.body = empty_body()
         close = drain.draining or request is None
         try:
             await _send_response(stream, conn, response, close)

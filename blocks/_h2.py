@@ -193,14 +193,6 @@ class H2Driver:
         )
         return True
 
-    async def flush_and_close(self, timeout: float) -> None:
-        """Let the writer send what is queued (a GOAWAY), then close the stream."""
-        self.mark_closed()
-        with trio.move_on_after(timeout):
-            await self._writer_done.wait()
-        with trio.CancelScope(shield=True):
-            await trio.aclose_forcefully(self.stream)
-
     def mark_closed(self) -> None:
         if not self.closed:
             self.closed = True

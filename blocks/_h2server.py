@@ -248,11 +248,11 @@ class H2ServerConnection(H2Driver):
 
     async def _run_stream(self, st: H2Stream, request: Request, error: BlocksError | None) -> None:
         response: Response | None = None
-        with trio.CancelScope() as scope:
-            st.cancel_scope = scope
-            if st.closed:
-                return
-            try:
+        try:
+            with trio.CancelScope() as scope:
+                st.cancel_scope = scope
+                if st.closed:
+                    return
                 if error is not None:
                     response = error_response(error.status)
                 else:
@@ -264,25 +264,32 @@ class H2ServerConnection(H2Driver):
                     except Exception:
                         log.exception("handler failed for %r %r", request.method, request.path)
                         response = error_response(500)
+                if request.method == b"HEAD" and not response.body.ended:
+                    await _abandon(response.body)
+                    response.body = empty_body()
                 await self._send_response(st, response)
-            except StreamReset:
-                pass
-            except Exception:
-                log.exception("failed while sending a response")
-                self.reset(st, _INTERNAL)
-        if response is not None:
-            if not st.closed:
-                # Sent in full. A request body the handler left unread is
-                # refused with NO_ERROR (RFC 9113 8.1), never left to stall.
-                if st.body is None or st.body.ended:
-                    self.finish_stream(st)
-                else:
-                    self.reset(st, _NO_ERROR)
-            elif not response.body.ended:
-                await _abandon(response.body)
-            response.closed()
-        elif not st.closed:
-            self.reset(st, _CANCEL)
+        except StreamReset:
+            pass
+        except Exception:
+            log.exception("failed while sending a response")
+            self.reset(st, _INTERNAL)
+        finally:
+            # Every path, cancellation included: the stream ends on the wire
+            # and whatever the response holds is released exactly once.
+            if response is None:
+                if not st.closed:
+                    self.reset(st, _CANCEL)
+            else:
+                if not st.closed:
+                    # Sent in full. A request body the handler left unread is
+                    # refused with NO_ERROR (RFC 9113 8.1), never left to stall.
+                    if st.body is None or st.body.ended:
+                        self.finish_stream(st)
+                    else:
+                        self.reset(st, _NO_ERROR)
+                elif not response.body.ended:
+                    await _abandon(response.body)
+                response.closed()
 
     async def _send_response(self, st: H2Stream, response: Response) -> None:
         headers = [(b":status", _STATUS[response.status])]

@@ -48,6 +48,8 @@ Address = tuple[str, int]
 """An upstream's ``(host, port)``."""
 
 _CANCEL = h2.errors.ErrorCodes.CANCEL
+# Retried once when a kept-alive h1 connection turns out to be closed.
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 
 
 @attrs.frozen(kw_only=True)
@@ -502,7 +504,7 @@ class _H1Pool:
             conn = self.idle.pop() if reused else await self._connect()
             self.active += 1
             try:
-                return await self._exchange(conn, request, headers, body, timeout)
+                return await self._exchange(conn, request, headers, body, timeout, reused)
             except _StaleConnection:
                 # A kept-alive connection the upstream had closed; nothing was processed.
                 self.active -= 1
@@ -517,7 +519,7 @@ class _H1Pool:
         raise AssertionError("unreachable")
 
     async def _exchange(
-        self, conn: _H1Connection, request: Request, headers: Headers, body: Body, timeout: float
+        self, conn: _H1Connection, request: Request, headers: Headers, body: Body, timeout: float, reused: bool
     ) -> Response:
         h = conn.h11
         out_headers = [(b"host", request.authority)]
@@ -543,15 +545,11 @@ class _H1Pool:
                 try:
                     event = await conn.next_event()
                 except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError) as exc:
-                    if body.ended and h.their_state is h11.SEND_RESPONSE and not h.trailing_data[0]:
+                    if reused and body.ended and request.method in _IDEMPOTENT:
                         raise _StaleConnection from exc
                     raise UpstreamProtocolError(f"bad response from {self.address}: {exc}") from exc
                 if type(event) is h11.Response:
                     break
-                if type(event) is h11.ConnectionClosed:
-                    if body.ended:
-                        raise _StaleConnection
-                    raise UpstreamProtocolError(f"{self.address} closed the connection")
         if scope.cancelled_caught:
             raise UpstreamTimeout(f"no response from {self.address} within {timeout}s")
         length = None
