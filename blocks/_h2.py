@@ -25,7 +25,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import h2.config
 import h2.connection
@@ -40,37 +41,38 @@ from blocks._sync import Signal
 from blocks.errors import StreamReset
 from blocks.http import Body, BytesBody, Headers, StreamBody
 
+if TYPE_CHECKING:
+    from blocks._splice import Splice
+    from blocks.http import Request
+
 log = logging.getLogger("blocks.h2")
 
 _DEFAULT_WINDOW = 65535
 MAX_WINDOW = 2**31 - 1
 
-_NOVALIDATE = dict(
-    validate_inbound_headers=False,
-    normalize_inbound_headers=False,
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-)
-
 
 def make_h2(
     *,
     client_side: bool,
-    validate_inbound: bool,
     max_concurrent_streams: int,
     stream_window: int,
     max_header_list_size: int,
 ) -> h2.connection.H2Connection:
-    """An ``H2Connection`` configured for one side of one hop.
+    """An ``H2Connection`` for one side of one hop, with h2's header checks off.
 
-    Outbound headers are never re-validated: a hop only sends heads it built
-    from a request or response it already accepted. Inbound validation is on
-    only where the peer is untrusted (the edge's listener).
+    h2's own header validation costs more than the rest of a hop's work and
+    turns a malformed request into a connection error. Proxyblocks validates
+    request heads once, at the edge, in :mod:`blocks._validate` (a stream
+    error, 400); every other hop only hears from a hop that did.
     """
-    options: dict[str, Any] = dict(_NOVALIDATE)
-    if validate_inbound:
-        options.update(validate_inbound_headers=True, normalize_inbound_headers=True)
-    config = h2.config.H2Configuration(client_side=client_side, header_encoding=None, **options)
+    config = h2.config.H2Configuration(
+        client_side=client_side,
+        header_encoding=None,
+        validate_inbound_headers=False,
+        normalize_inbound_headers=False,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
+    )
     conn = h2.connection.H2Connection(config)
     codes = h2.settings.SettingCodes
     conn.local_settings = h2.settings.Settings(
@@ -98,6 +100,7 @@ class H2Stream:
         "local_ended",
         "remote_ended",
         "signal",
+        "splice",
         "window",
     )
 
@@ -112,6 +115,13 @@ class H2Stream:
         self.closed = False
         self.local_ended = False
         self.remote_ended = False
+        self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
+
+
+Relay = Callable[["Request", "H2Driver", H2Stream, bool], bool]
+"""The fast path a hop may offer its listener: ``relay(request, driver, stream,
+request_ended)`` splices the stream upstream and returns True, or returns
+False (nothing done) to let the handler task take the request."""
 
 
 class H2Driver:
@@ -123,15 +133,18 @@ class H2Driver:
         self.streams: dict[int, H2Stream] = {}
         self.closed = False
         self._wake = Signal()
-        self._raw: list[bytes] = []  # frames sent around h2's state machine (graceful GOAWAY)
+        self._out: list[bytes] = []  # bytes taken from h2, waiting for the writer
         self._writer_done = trio.Event()
         self._connection_window = connection_window
 
     # -- writing ---------------------------------------------------------------
 
     def kick(self) -> None:
-        """Ask the writer to flush whatever the state machine has queued."""
-        self._wake.set()
+        """Move what the state machine queued to the writer; wake it only if there is something."""
+        data = self.h2.data_to_send()
+        if data:
+            self._out.append(data)
+            self._wake.set()
 
     def start(self) -> None:
         """Queue the preface and our SETTINGS, and open the connection window."""
@@ -142,22 +155,19 @@ class H2Driver:
         self.kick()
 
     async def writer(self) -> None:
-        """Flush queued bytes until the connection closes, then flush once more."""
+        """Send what :meth:`kick` queued, one ``send_all`` per wake-up, until the connection closes."""
         stream = self.stream
-        conn = self.h2
+        out = self._out
         try:
             while True:
                 await self._wake.wait()
-                data = conn.data_to_send()
-                if self._raw:
-                    data += b"".join(self._raw)
-                    self._raw.clear()
-                if data:
+                if self.closed:
+                    self.kick()
+                if out:
+                    data = out[0] if len(out) == 1 else b"".join(out)
+                    out.clear()
                     await stream.send_all(data)
                 if self.closed:
-                    data = conn.data_to_send()
-                    if data:
-                        await stream.send_all(data)
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.mark_closed()
@@ -173,8 +183,9 @@ class H2Driver:
         streams are done, goes through h2 as usual.
         """
         frame = hyperframe.frame.GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
-        self._raw.append(frame.serialize())
         self.kick()
+        self._out.append(frame.serialize())
+        self._wake.set()
 
     def survive_goaway(self, ev: h2.events.ConnectionTerminated) -> bool:
         """After a peer's graceful GOAWAY, let the streams below its last id finish.
@@ -196,7 +207,7 @@ class H2Driver:
     def mark_closed(self) -> None:
         if not self.closed:
             self.closed = True
-            self.kick()
+            self._wake.set()
             for st in list(self.streams.values()):
                 self.fail_stream(st, StreamReset("connection closed"))
 
@@ -214,6 +225,8 @@ class H2Driver:
             st.signal.set()
         if st.window is not None:
             st.window.set()
+        if st.splice is not None:
+            st.splice.failed(self, error)
         self.stream_closed(st)
 
     def stream_closed(self, st: H2Stream) -> None:
@@ -234,7 +247,7 @@ class H2Driver:
             except h2.exceptions.ProtocolError:
                 pass
             self.kick()
-        self.fail_stream(st, StreamReset("stream reset locally"))
+        self.fail_stream(st, st.error or StreamReset("stream reset locally"))
 
     def new_inbound_body(self, st: H2Stream, length: int | None) -> StreamBody:
         """A body for data the peer sends on ``st``; window returns as it is read."""
@@ -260,6 +273,9 @@ class H2Driver:
         st = self.streams.get(ev.stream_id)
         data = ev.data or b""
         size = ev.flow_controlled_length or 0
+        if st is not None and st.splice is not None:
+            st.splice.data(self, st, data, size, ev.stream_ended is not None)
+            return
         body = st.body if st is not None else None
         if body is None or body._ended:
             if size:
@@ -273,15 +289,20 @@ class H2Driver:
     def on_window_updated(self, ev: h2.events.WindowUpdated) -> None:
         if ev.stream_id:
             st = self.streams.get(ev.stream_id)
-            if st is not None and st.window is not None:
-                st.window.set()
+            if st is not None:
+                if st.window is not None:
+                    st.window.set()
+                if st.splice is not None:
+                    st.splice.window(st)
         else:
             self.wake_all_windows()
 
     def wake_all_windows(self) -> None:
-        for st in self.streams.values():
+        for st in list(self.streams.values()):
             if st.window is not None:
                 st.window.set()
+            if st.splice is not None:
+                st.splice.window(st)
 
     async def send_data(self, st: H2Stream, data: bytes, end_stream: bool = False) -> None:
         """Send ``data`` on ``st`` as its send windows allow, waiting for them."""

@@ -23,8 +23,9 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, make_h2
-from blocks.errors import BadRequest, BlocksError, StreamReset
+from blocks._h2 import H2Driver, H2Stream, Relay, make_h2
+from blocks._validate import validate_request_head
+from blocks.errors import BlocksError, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response
 from blocks.timing import Timing
 
@@ -49,16 +50,17 @@ class H2ServerConnection(H2Driver):
         *,
         client: str,
         scheme: bytes,
+        relay: Relay | None = None,
     ) -> None:
         conn = make_h2(
             client_side=False,
-            validate_inbound=config.validate,
             max_concurrent_streams=config.max_concurrent_streams,
             stream_window=config.stream_window,
             max_header_list_size=config.max_header_list_size,
         )
         super().__init__(stream, conn, connection_window=config.connection_window)
         self.handler = handler
+        self.relay = relay
         self.config = config
         self.client = client
         self.scheme = scheme
@@ -140,12 +142,23 @@ class H2ServerConnection(H2Driver):
         except BlocksError as exc:
             error = exc
             length = None
-        if ev.stream_ended is None:
+        ended = ev.stream_ended is not None
+        if error is None and self.relay is not None and self.relay(request, self, st, ended):
+            return  # spliced: frames are relayed by the readers from now on
+        if not ended:
             request.body = self.new_inbound_body(st, length)
         assert self._nursery is not None
         self._nursery.start_soon(self._run_stream, st, request, error)
 
     def _fill_request(self, request: Request, raw: list[tuple[bytes, bytes]]) -> int | None:
+        """Pseudo-headers into the request, the rest into its header list; the declared length.
+
+        Internal hops trust their peer and only split the list; the edge
+        validates everything here, so a malformed request is a stream error
+        (400) that leaves the connection's other streams alone.
+        """
+        if self.config.validate:
+            return validate_request_head(request, raw)
         headers = request.headers
         length = None
         for name, value in raw:
@@ -158,40 +171,27 @@ class H2ServerConnection(H2Driver):
                     request.authority = value
                 elif name == b":scheme":
                     request.scheme = value
-                elif self.config.validate:
-                    raise BadRequest(f"unsupported pseudo-header {name!r}", status=400)
             else:
                 if name == b"content-length":
-                    length = int(value) if value.isdigit() else -1
+                    length = int(value)
                 headers.append((name, value))
-        if not self.config.validate:
-            return length
-        # The edge: one canonical, lowercase authority for everything after it.
-        host = request.header(b"host")
-        if not request.authority:
-            if host is None:
-                raise BadRequest("no :authority and no host")
-            request.authority = host
-        elif host is not None and host.lower() != request.authority.lower():
-            raise BadRequest(":authority and host disagree")
-        if host is not None:
-            request.headers = [(n, v) for n, v in headers if n != b"host"]
-        request.authority = request.authority.lower()
-        if request.method == b"CONNECT":
-            raise BadRequest("CONNECT is not supported", status=501)
-        if length is not None and length < 0:
-            raise BadRequest("bad content-length")
         return length
 
     def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
         st = self.streams.get(ev.stream_id)
-        if st is not None and st.body is not None:
-            st.body.end()
+        if st is not None:
+            if st.splice is not None:
+                st.splice.ended(st)
+            elif st.body is not None:
+                st.body.end()
 
     def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
         st = self.streams.get(ev.stream_id)
-        if st is not None and st.body is not None:
-            st.body.end(list(ev.headers))
+        if st is not None:
+            if st.splice is not None:
+                st.splice.ended(st, list(ev.headers))
+            elif st.body is not None:
+                st.body.end(list(ev.headers))
 
     def _on_reset(self, ev: h2.events.StreamReset) -> None:
         st = self.streams.get(ev.stream_id)
@@ -303,6 +303,7 @@ class H2ServerConnection(H2Driver):
             self.h2.send_headers(st.id, headers)
         except h2.exceptions.ProtocolError as exc:
             raise StreamReset("stream closed before the response") from exc
+        self.kick()  # the head goes now, whenever the body's first bytes come
         await self.send_body(st, body)
 
 

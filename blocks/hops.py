@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import functools
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from time import perf_counter
 
 import attrs
 import trio
 
+from blocks._h2 import H2Driver, H2Stream
+from blocks._splice import HeadFilter
 from blocks.errors import NoRoute
 from blocks.http import HOP_BY_HOP, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.multiplexer import Address, UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import LeastInFlight, Policy, RouteTable
+from blocks.routing import LeastInFlight, Policy, Replica, RouteTable
 from blocks.timing import Timing, add_server_timing
 
 INTERNAL_PREFIX = b"x-proxyblocks-"
@@ -49,6 +51,22 @@ def _timing(request: Request) -> Timing:
     if timing is None:
         timing = request.timing = Timing()
     return timing
+
+
+def _timed_head(
+    timing: Timing, hop: str, start: float, *, upstream_name: str | None = None, total: bool = False
+) -> HeadFilter:
+    """The response-head rewrite every hop applies: its Server-Timing entries.
+
+    ``start`` is when the hop began waiting for its upstream; the wait ends
+    when the head arrives, which is when this runs.
+    """
+
+    def head(status: int, headers: Headers) -> Headers:
+        timing.upstream = perf_counter() - start
+        return add_server_timing(headers, timing.entries(hop, upstream_name=upstream_name, total=total))
+
+    return head
 
 
 # -- edge ------------------------------------------------------------------------------
@@ -95,13 +113,17 @@ class Edge:
         headers.append((b"via", request.http_version.encode() + b" " + self._via))
         return headers
 
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        """Fast path for h2 clients: splice the stream to the proxy."""
+        head = _timed_head(_timing(request), self.config.name, perf_counter(), total=True)
+        return self.upstreams.splice(
+            self.config.proxy, request, self.upstream_headers(request), down, st, request_ended=ended, head_filter=head
+        )
+
     async def handle(self, request: Request) -> Response:
-        timing = _timing(request)
-        headers = self.upstream_headers(request)
-        start = perf_counter()
-        response = await self.upstreams.request(self.config.proxy, request, headers)
-        timing.upstream = perf_counter() - start
-        response.headers = add_server_timing(response.headers, timing.entries(self.config.name, total=True))
+        head = _timed_head(_timing(request), self.config.name, perf_counter(), total=True)
+        response = await self.upstreams.request(self.config.proxy, request, self.upstream_headers(request))
+        response.headers = head(response.status, response.headers)
         return response
 
 
@@ -113,7 +135,7 @@ class ProxyConfig:
     name: str = "proxy"
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class ProxyStatistics:
     in_flight: dict[str, int]
     no_route: int
@@ -142,7 +164,8 @@ class Proxy:
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(dict(self.in_flight), self._no_route)
 
-    async def handle(self, request: Request) -> Response:
+    def _route(self, request: Request) -> tuple[Replica, Headers]:
+        """Pick the replica (in memory, never awaits); count it in flight."""
         timing = _timing(request)
         start = perf_counter()
         routes = self.routes
@@ -153,25 +176,45 @@ class Proxy:
             raise NoRoute(
                 f"no live replica for {request.authority!r}" if app else f"no route for {request.authority!r}"
             )
+        replica = self.policy.pick(candidates, self.in_flight)
+        timing.phase(self._phase, perf_counter() - start)
+        self.in_flight[replica.name] = self.in_flight.get(replica.name, 0) + 1
+        return replica, [*request.headers, self._via, (REPLICA_HEADER, replica.name.encode())]
+
+    def _done(self, name: str) -> Callable[[], None]:
         in_flight = self.in_flight
-        replica = self.policy.pick(candidates, in_flight)
-        name = replica.name
-        routed = perf_counter()
-        timing.phase(self._phase, routed - start)
-        headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
-        in_flight[name] = in_flight.get(name, 0) + 1
-        try:
-            response = await self.upstreams.request(replica.worker, request, headers)
-        except BaseException:
-            in_flight[name] -= 1
-            raise
-        timing.upstream = perf_counter() - routed
 
         def done() -> None:
             in_flight[name] -= 1
 
+        return done
+
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        try:
+            replica, headers = self._route(request)
+        except NoRoute:
+            self._no_route -= 1  # counted again when the handler answers it
+            return False
+        head = _timed_head(_timing(request), self.config.name, perf_counter())
+        done = self._done(replica.name)
+        if self.upstreams.splice(
+            replica.worker, request, headers, down, st, request_ended=ended, head_filter=head, on_close=done
+        ):
+            return True
+        done()
+        return False
+
+    async def handle(self, request: Request) -> Response:
+        replica, headers = self._route(request)
+        done = self._done(replica.name)
+        head = _timed_head(_timing(request), self.config.name, perf_counter())
+        try:
+            response = await self.upstreams.request(replica.worker, request, headers)
+        except BaseException:
+            done()
+            raise
         response.call_on_close(done)
-        response.headers = add_server_timing(response.headers, timing.entries(self.config.name))
+        response.headers = head(response.status, response.headers)
         return response
 
 
@@ -186,7 +229,7 @@ class LocalReplica:
     protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class WorkerStatistics:
     in_flight: dict[str, int]
     served: dict[str, int]
@@ -206,8 +249,8 @@ class Worker:
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(dict(self.in_flight), dict(self.served))
 
-    async def handle(self, request: Request) -> Response:
-        timing = _timing(request)
+    def _target(self, request: Request) -> tuple[str, LocalReplica, Headers]:
+        """The replica the proxy named, and the fields to send it; counts it in flight."""
         headers = request.headers
         if headers and headers[-1][0] == REPLICA_HEADER:  # where the proxy puts it
             key = headers[-1][1]
@@ -223,22 +266,45 @@ class Worker:
             key, target = next(iter(self.replicas.items()))
         headers.append(self._via)
         name = key.decode()
-        in_flight = self.in_flight
-        in_flight[name] += 1
-        start = perf_counter()
-        try:
-            response = await self.upstreams.request(target.address, request, headers, protocol=target.protocol)
-        except BaseException:
-            in_flight[name] -= 1
-            raise
-        timing.upstream = perf_counter() - start
+        self.in_flight[name] += 1
         self.served[name] += 1
+        return name, target, headers
+
+    def _done(self, name: str) -> Callable[[], None]:
+        in_flight = self.in_flight
 
         def done() -> None:
             in_flight[name] -= 1
 
+        return done
+
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        try:
+            name, target, headers = self._target(request)
+        except NoRoute:
+            return False
+        done = self._done(name)
+        if target.protocol == "h2":
+            head = _timed_head(_timing(request), self.name, perf_counter(), upstream_name="app")
+            if self.upstreams.splice(
+                target.address, request, headers, down, st, request_ended=ended, head_filter=head, on_close=done
+            ):
+                return True
+        done()
+        self.served[name] -= 1
+        return False
+
+    async def handle(self, request: Request) -> Response:
+        name, target, headers = self._target(request)
+        done = self._done(name)
+        head = _timed_head(_timing(request), self.name, perf_counter(), upstream_name="app")
+        try:
+            response = await self.upstreams.request(target.address, request, headers, protocol=target.protocol)
+        except BaseException:
+            done()
+            raise
         response.call_on_close(done)
-        response.headers = add_server_timing(response.headers, timing.entries(self.name, upstream_name="app"))
+        response.headers = head(response.status, response.headers)
         return response
 
 
@@ -262,7 +328,13 @@ async def serve_edge(
     async with open_upstreams(upstream) as upstreams:
         edge = Edge(config, upstreams)
         await serve_http(
-            edge.handle, host=host, port=port, ssl_context=ssl_context, config=listener, task_status=task_status
+            edge.handle,
+            host=host,
+            port=port,
+            ssl_context=ssl_context,
+            config=listener,
+            relay=edge.relay,
+            task_status=task_status,
         )
 
 
@@ -280,7 +352,7 @@ async def serve_proxy(
     """Run a :class:`Proxy`; ``task_status`` gets ``(server, proxy)``."""
     async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
         proxy = Proxy(routes, upstreams, policy=policy, config=config)
-        serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener)
+        serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay)
         server = await nursery.start(serve)
         task_status.started((server, proxy))
 
@@ -298,6 +370,6 @@ async def serve_worker(
     """Run a :class:`Worker` for ``replicas``; ``task_status`` gets ``(server, worker)``."""
     async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
         worker = Worker(replicas, upstreams, name=name)
-        serve = functools.partial(serve_http, worker.handle, host=host, port=port, config=listener)
+        serve = functools.partial(serve_http, worker.handle, host=host, port=port, config=listener, relay=worker.relay)
         server = await nursery.start(serve)
         task_status.started((server, worker))

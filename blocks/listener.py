@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from blocks._h1server import serve_h1
+from blocks._h2 import Relay
 from blocks._h2server import H2ServerConnection
 from blocks.http import Handler
 
@@ -79,6 +80,7 @@ class HTTPServer:
     handler: Handler
     config: ListenerConfig
     ssl_context: ssl.SSLContext | None
+    relay: Relay | None = None
     port: int = 0
     host: str = ""
     draining: bool = False
@@ -197,7 +199,9 @@ class _Connection:
                 return
             is_h2 = initial.startswith(H2_PREFACE)
         if is_h2:
-            self.proto = H2ServerConnection(transport, server.handler, config, client=client, scheme=scheme)
+            self.proto = H2ServerConnection(
+                transport, server.handler, config, client=client, scheme=scheme, relay=server.relay
+            )
             if self._draining:
                 self.proto.drain()
             await self.proto.run(initial)
@@ -233,6 +237,7 @@ async def serve_http(
     port: int = 0,
     ssl_context: ssl.SSLContext | None = None,
     config: ListenerConfig | None = None,
+    relay: Relay | None = None,
     task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` until cancelled or drained.
@@ -241,11 +246,15 @@ async def serve_http(
     ``server.port`` is the bound port (``port=0`` picks a free one). With an
     ``ssl_context``, ALPN offers ``h2`` and ``http/1.1`` (set here unless the
     context already has protocols). Returns once a drain has finished.
+
+    ``relay`` is a hop's optional fast path for HTTP/2 requests (see
+    :mod:`blocks._splice`): tried first, synchronously, for every h2 request
+    with a valid head; when it declines, ``handler`` serves the request.
     """
     config = config or ListenerConfig()
     if ssl_context is not None:
         ssl_context.set_alpn_protocols(["h2", "http/1.1"])
     listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
     sockname = listeners[0].socket.getsockname()
-    server = HTTPServer(handler, config, ssl_context, port=sockname[1], host=host)
+    server = HTTPServer(handler, config, ssl_context, relay, port=sockname[1], host=host)
     await server._serve(listeners, task_status)

@@ -38,6 +38,7 @@ import h11
 import trio
 
 from blocks._h2 import H2Driver, H2Stream, make_h2
+from blocks._splice import HeadFilter, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, empty_body
@@ -90,7 +91,6 @@ class H2ClientConnection(H2Driver):
         config = pool.config
         conn = make_h2(
             client_side=True,
-            validate_inbound=False,
             max_concurrent_streams=100,
             stream_window=config.stream_window,
             max_header_list_size=config.max_header_list_size,
@@ -173,14 +173,9 @@ class H2ClientConnection(H2Driver):
 
     # -- streams -----------------------------------------------------------------
 
-    def open_stream(self, request: Request, headers: Headers) -> H2Stream:
-        """Send the request head (and start its body) on a new stream. Never blocks."""
+    def _send_head(self, request: Request, headers: Headers, end: bool) -> H2Stream:
         conn = self.h2
         sid = conn.get_next_available_stream_id()
-        st = H2Stream(sid)
-        st.signal = Signal()
-        body = request.body
-        end = body.ended and not body.trailers
         head = [
             (b":method", request.method),
             (b":scheme", request.scheme),
@@ -189,8 +184,33 @@ class H2ClientConnection(H2Driver):
         ]
         head += headers
         conn.send_headers(sid, head, end_stream=end)
+        st = H2Stream(sid)
         self.streams[sid] = st
         self.kick()
+        return st
+
+    def open_spliced(
+        self,
+        request: Request,
+        headers: Headers,
+        down: H2Driver,
+        down_st: H2Stream,
+        *,
+        request_ended: bool,
+        head_filter: HeadFilter | None,
+        on_close: Callable[[], None] | None,
+    ) -> H2Stream:
+        """Send the request head and join the new stream to ``down_st``. Never blocks."""
+        st = self._send_head(request, headers, request_ended)
+        Splice(down, down_st, self, st, request_ended=request_ended, head_filter=head_filter, on_close=on_close)
+        return st
+
+    def open_stream(self, request: Request, headers: Headers) -> H2Stream:
+        """Send the request head (and start its body) on a new stream. Never blocks."""
+        body = request.body
+        end = body.ended and not body.trailers
+        st = self._send_head(request, headers, end)
+        st.signal = Signal()
         if end:
             st.local_ended = True
         else:
@@ -257,6 +277,7 @@ class H2ClientConnection(H2Driver):
         st = self.streams.get(ev.stream_id)
         if st is None:
             return
+        self.pool.waiting.pop(st, None)
         status = 0
         headers: Headers = []
         length = None
@@ -268,15 +289,20 @@ class H2ClientConnection(H2Driver):
                 if name == b"content-length" and value.isdigit():
                     length = int(value)
                 headers.append((name, value))
+        if st.splice is not None:
+            st.splice.head(status, headers, ev.stream_ended is not None)
+            return
         body = empty_body() if ev.stream_ended is not None else self.new_inbound_body(st, length)
         st.head = Response(status, headers, body)
-        self.pool.waiting.pop(st, None)
         if st.signal is not None:
             st.signal.set()
 
     def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None:
+            return
+        if st.splice is not None:
+            st.splice.ended(st)
             return
         st.remote_ended = True
         if st.body is not None:
@@ -286,8 +312,11 @@ class H2ClientConnection(H2Driver):
 
     def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
         st = self.streams.get(ev.stream_id)
-        if st is not None and st.body is not None:
-            st.body.end(list(ev.headers))
+        if st is not None:
+            if st.splice is not None:
+                st.splice.ended(st, list(ev.headers))
+            elif st.body is not None:
+                st.body.end(list(ev.headers))
 
     def _on_reset(self, ev: h2.events.StreamReset) -> None:
         st = self.streams.get(ev.stream_id)
@@ -387,6 +416,30 @@ class _H2Pool:
             del waiting[st]
             st.error = UpstreamTimeout(f"no response from {self.address} within {self.config.response_timeout}s")
             conn.reset(st, _CANCEL)
+
+    def splice(
+        self,
+        request: Request,
+        headers: Headers,
+        down: H2Driver,
+        down_st: H2Stream,
+        request_ended: bool,
+        head_filter: HeadFilter | None,
+        on_close: Callable[[], None] | None,
+    ) -> bool:
+        for conn in self.connections:
+            if conn.has_slot:
+                break
+        else:
+            return False
+        try:
+            st = conn.open_spliced(
+                request, headers, down, down_st, request_ended=request_ended, head_filter=head_filter, on_close=on_close
+            )
+        except h2.exceptions.ProtocolError:
+            return False
+        self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
+        return True
 
     async def request(self, request: Request, headers: Headers, timeout: float) -> Response:
         for conn in self.connections:
@@ -488,7 +541,12 @@ class _H1Pool:
             h.start_next_cycle()
             self.idle.append(conn)
         else:
-            self.nursery.start_soon(trio.aclose_forcefully, conn.stream)
+            conn.stream.socket.close()  # synchronous: nothing to flush on a connection we drop
+
+    def close_idle(self) -> None:
+        for conn in self.idle:
+            conn.stream.socket.close()
+        self.idle.clear()
 
     async def _connect(self) -> _H1Connection:
         try:
@@ -616,6 +674,30 @@ class Upstreams:
                 if type(pool) is _H2Pool and pool.waiting:
                     pool.expire(now)
 
+    def splice(
+        self,
+        address: Address,
+        request: Request,
+        headers: Headers,
+        down: H2Driver,
+        down_st: H2Stream,
+        *,
+        request_ended: bool,
+        head_filter: HeadFilter | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> bool:
+        """The fast path: join ``down_st`` to a new h2 stream to ``address``, if one is free now.
+
+        Returns False, having done nothing, when no pooled connection has a
+        free stream slot (the caller then takes the awaiting path, which may
+        open one). ``on_close`` runs once when the exchange ends, however it ends.
+        """
+        pool = self._pools.get((address, "h2"))
+        if pool is None:
+            return False
+        done: bool = pool.splice(request, headers, down, down_st, request_ended, head_filter, on_close)
+        return done
+
     async def request(
         self,
         address: Address,
@@ -662,3 +744,6 @@ async def open_upstreams(config: UpstreamConfig | None = None) -> AsyncIterator[
             yield upstreams
         finally:
             nursery.cancel_scope.cancel()
+            for pool in upstreams._pools.values():
+                if type(pool) is _H1Pool:
+                    pool.close_idle()

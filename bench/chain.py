@@ -1,0 +1,395 @@
+"""Throughput and latency of proxyblocks hops against the reference trio + h2 hop, side by side.
+
+What it measures, all over h2c on 127.0.0.1, every server a separate OS process:
+
+    replica direct            the demo replica (blocks.serve_demo_replica) alone
+    proxyblocks 1 hop         one worker hop in front of that replica
+    proxyblocks chain         edge -> proxy -> worker -> replica, one process per hop
+    reference hop             ../shared/reference/trio_h2_proxy.py in front of the replica
+    reference 3-hop chain     three of those in a row
+    (and both reference rows again with --novalid)
+
+For each target: a short warm-up (h2load -n 500 -c 8 -m 32), then throughput
+(h2load -n N -c 8 -m 32, req/s) and one-request-at-a-time latency
+(h2load -n M -c 1 -m 1; p50/p99 from h2load's --log-file). It then prints
+the ratios the project aims for and a last line ``verdict: PASS|FAIL ...``:
+
+    proxyblocks 1 hop rps / reference hop rps            >= 1.2
+    proxyblocks chain c1 p50 / reference 3-hop c1 p50    <= 0.8
+
+Any failed, errored, timed-out or non-2xx request makes the verdict FAIL.
+The reference scripts run from their own directory; they are never copied
+into the project. Only ratios from one run mean anything: absolute figures
+drift with the machine.
+
+Run it from the repository root (needs h2load: apt-get install nghttp2-client):
+
+    python bench/chain.py            # N=20000, M=2000
+    python bench/chain.py --quick    # N=3000
+    python bench/chain.py -n 50000 -m 5000
+
+``python bench/chain.py --serve ROLE PORT [UPSTREAM_PORT...]`` is the helper
+mode the benchmark uses to start one proxyblocks hop per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT.parent / "shared" / "reference"
+HOST = "127.0.0.1"
+RPS_TARGET = 1.2  # proxyblocks 1 hop rps / reference hop rps, at least
+P50_TARGET = 0.8  # proxyblocks chain c1 p50 / reference 3-hop chain c1 p50, at most
+WARMUP = ["-n", "500", "-c", "8", "-m", "32"]
+
+
+# -- helper mode: one proxyblocks hop in this process ------------------------------------
+
+
+def serve(role: str, port: int, upstream: list[int]) -> None:
+    """Run one proxyblocks server: replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY."""
+    sys.path.insert(0, str(ROOT))
+    import trio
+
+    import blocks
+
+    if role == "replica":
+        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port)
+    elif role == "worker":
+        (replica,) = upstream
+        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
+        server = functools.partial(blocks.serve_worker, replicas, host=HOST, port=port)
+    elif role == "proxy":
+        worker, replica = upstream
+        routes = blocks.RouteTable.build(
+            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker), address=(HOST, replica))]}
+        )
+        server = functools.partial(blocks.serve_proxy, routes, host=HOST, port=port)
+    elif role == "edge":
+        (proxy,) = upstream
+        server = functools.partial(blocks.serve_edge, blocks.EdgeConfig(proxy=(HOST, proxy)), host=HOST, port=port)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(server)
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace").rstrip()
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Processes:
+    """Every server process this run started, killed by handle on the way out."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.all: list[Process] = []
+
+    def start(self, name: str, argv: list[str], cwd: Path, port: int) -> Process:
+        log = self.logdir / f"{len(self.all):02d}-{name.replace(' ', '_')}.log"
+        with log.open("wb") as out:
+            # own session: a Ctrl-C reaches only this script, which then kills the servers itself
+            popen = subprocess.Popen(
+                [sys.executable, *argv], cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc = Process(name, popen, log)
+        self.all.append(proc)
+        wait_for_port(proc, port)
+        return proc
+
+    def stop(self, procs: list[Process]) -> None:
+        for proc in procs:
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+    def stop_all(self) -> None:
+        self.stop(self.all)
+
+
+def wait_for_port(proc: Process, port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before listening:\n{proc.tail()}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.name} not listening on {port} after {timeout}s:\n{proc.tail()}") from None
+            time.sleep(0.05)
+
+
+def self_argv(role: str, port: int, *upstream: int) -> list[str]:
+    return [str(Path(__file__).resolve()), "--serve", role, str(port), *map(str, upstream)]
+
+
+def reference_argv(listen: int, upstream: int, novalid: bool) -> list[str]:
+    return ["trio_h2_proxy.py", str(listen), str(upstream), *(["--novalid"] if novalid else [])]
+
+
+# -- h2load ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    target: str
+    rps: float = math.nan
+    p50_us: float = math.nan
+    p99_us: float = math.nan
+    problems: list[str] = field(default_factory=list)
+
+
+def h2load(port: int, args: list[str], timeout: float, log_file: Path | None = None) -> tuple[str, list[str]]:
+    """Run h2load; return its output and what went wrong (failed/errored/non-2xx/hang)."""
+    argv = ["h2load", *args]
+    if log_file is not None:
+        argv.append(f"--log-file={log_file}")
+    argv.append(f"http://{HOST}:{port}/")
+    what = " ".join(argv[1:-1])
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        return out, [f"h2load {what}: no answer within {timeout:.0f}s (hang)"]
+    out = run.stdout + run.stderr
+    problems = []
+    counts = re.search(
+        r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, "
+        r"(\d+) failed, (\d+) errored, (\d+) timeout",
+        out,
+    )
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    if run.returncode != 0 or counts is None or codes is None:
+        problems.append(f"h2load {what}: exit {run.returncode}, unreadable output")
+    else:
+        total, _, done, ok, failed, errored, timed_out = map(int, counts.groups())
+        non2xx = sum(map(int, codes.groups()[1:]))
+        if failed or errored or timed_out or non2xx or done != total or ok != total:
+            problems.append(
+                f"h2load {what}: {total} total, {done} done, {ok} succeeded, {failed} failed, "
+                f"{errored} errored, {timed_out} timeout, {non2xx} non-2xx"
+            )
+    return out, problems
+
+
+def percentile(sorted_values: list[int], q: float) -> float:
+    """Nearest-rank percentile."""
+    return float(sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)])
+
+
+def measure(name: str, port: int, n: int, m: int, tmp: Path, verbose: bool) -> Result:
+    result = Result(name)
+    _, problems = h2load(port, WARMUP, timeout=60)
+    result.problems += problems
+
+    out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
+    result.problems += problems
+    if verbose:
+        print(out)
+    finished = re.search(r"finished in \S+, ([\d.]+) req/s", out)
+    if finished:
+        result.rps = float(finished.group(1))
+
+    log_file = tmp / f"c1-{port}.tsv"
+    out, problems = h2load(port, ["-n", str(m), "-c", "1", "-m", "1"], timeout=60 + m / 50, log_file=log_file)
+    result.problems += problems
+    if verbose:
+        print(out)
+    elapsed = []
+    if log_file.exists():
+        for line in log_file.read_text().splitlines():
+            cols = line.split("\t")
+            if len(cols) >= 3 and cols[1].lstrip("-").isdigit() and 200 <= int(cols[1]) < 300:
+                elapsed.append(int(cols[2]))
+    if elapsed:
+        elapsed.sort()
+        result.p50_us = percentile(elapsed, 0.50)
+        result.p99_us = percentile(elapsed, 0.99)
+    return result
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+Hop = Callable[[int, int], tuple[str, list[str], Path]]
+"""(listen port, upstream port) -> (process name, argv after the interpreter, cwd)."""
+
+
+def targets(replica_port: int) -> list[tuple[str, list[Hop]]]:
+    """Each target as its hops, innermost first (a reference hop connects upstream as it starts)."""
+
+    def pb(role: str) -> Hop:
+        def hop(port: int, upstream: int) -> tuple[str, list[str], Path]:
+            upstreams = [upstream, replica_port] if role == "proxy" else [upstream]
+            return f"pb {role}", self_argv(role, port, *upstreams), ROOT
+
+        return hop
+
+    def ref(name: str, novalid: bool) -> Hop:
+        return lambda port, upstream: (name, reference_argv(port, upstream, novalid), REFERENCE)
+
+    found: list[tuple[str, list[Hop]]] = [
+        ("replica direct", []),
+        ("proxyblocks 1 hop", [pb("worker")]),
+        ("proxyblocks chain", [pb("worker"), pb("proxy"), pb("edge")]),
+    ]
+    for novalid in (False, True):
+        suffix = " --novalid" if novalid else ""
+        found.append((f"reference hop{suffix}", [ref(f"ref hop{suffix}", novalid)]))
+        found.append(
+            (f"reference 3-hop chain{suffix}", [ref(f"ref chain hop {i}{suffix}", novalid) for i in (1, 2, 3)])
+        )
+    return found
+
+
+def run_benchmark(n: int, m: int, verbose: bool) -> int:
+    if shutil.which("h2load") is None:
+        print("h2load not found: install it with `apt-get install nghttp2-client`", file=sys.stderr)
+        return 2
+    if not (REFERENCE / "trio_h2_proxy.py").exists():
+        print(f"reference scripts not found in {REFERENCE}", file=sys.stderr)
+        return 2
+
+    tmp = Path(tempfile.mkdtemp(prefix="proxyblocks-bench-"))
+    procs = Processes(tmp)
+    results: dict[str, Result] = {}
+    print(f"h2load: rps with -n {n} -c 8 -m 32, latency with -n {m} -c 1 -m 1; {os.cpu_count()} CPUs; logs in {tmp}")
+    print(f"load average before: {load_average()}", flush=True)
+    try:
+        replica_port = free_port()
+        replica = procs.start("replica", self_argv("replica", replica_port), ROOT, replica_port)
+        for label, chain in targets(replica_port):
+            print(f"... {label}", flush=True)
+            hops: list[Process] = []
+            port = replica_port
+            try:
+                for hop in chain:
+                    listen = free_port()
+                    name, argv, cwd = hop(listen, port)
+                    hops.append(procs.start(name, argv, cwd, listen))
+                    port = listen
+            except RuntimeError as exc:
+                results[label] = Result(label, problems=[f"could not start: {exc}"])
+                procs.stop(hops)
+                continue
+            result = results[label] = measure(label, port, n, m, tmp, verbose)
+            for proc in [*hops, replica]:
+                if (code := proc.popen.poll()) is not None:
+                    how = f"killed by signal {-code} (not by this script)" if code < 0 else f"exited with {code}"
+                    result.problems.append(f"{proc.name} {how} during the run")
+            if result.problems:
+                for proc in [*hops, replica]:
+                    result.problems.append(f"output of {proc.name} (last lines):\n{proc.tail() or '(empty)'}")
+            procs.stop(hops)
+    finally:
+        procs.stop_all()
+    print(f"load average after: {load_average()}  (other processes on the machine skew the figures)")
+    return report(results)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def report(results: dict[str, Result]) -> int:
+    print()
+    print(f"{'target':<34} {'rps (c8 m32)':>12} {'c1 p50 µs':>10} {'c1 p99 µs':>10}")
+    for r in results.values():
+        print(f"{r.target:<34} {r.rps:>12.0f} {r.p50_us:>10.0f} {r.p99_us:>10.0f}")
+
+    problems = [(r.target, p) for r in results.values() for p in r.problems]
+    if problems:
+        print("\nPROBLEMS:")
+        for target, problem in problems:
+            print(f"[{target}] {problem}")
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b and not math.isnan(b) else math.nan
+
+    pb_hop, pb_chain = results["proxyblocks 1 hop"], results["proxyblocks chain"]
+    rps_ratio = ratio(pb_hop.rps, results["reference hop"].rps)
+    p50_ratio = ratio(pb_chain.p50_us, results["reference 3-hop chain"].p50_us)
+    print()
+    print(f"proxyblocks 1 hop rps / reference hop rps:               {rps_ratio:.2f}  (target >= {RPS_TARGET})")
+    print(f"proxyblocks chain c1 p50 / reference 3-hop chain c1 p50: {p50_ratio:.2f}  (target <= {P50_TARGET})")
+    print("for information, against the reference with --novalid:")
+    print(f"  1 hop rps ratio {ratio(pb_hop.rps, results['reference hop --novalid'].rps):.2f}, ", end="")
+    print(f"chain c1 p50 ratio {ratio(pb_chain.p50_us, results['reference 3-hop chain --novalid'].p50_us):.2f}")
+
+    failing_targets = sorted({target for target, _ in problems})
+    ok = rps_ratio >= RPS_TARGET and p50_ratio <= P50_TARGET and not failing_targets
+    figures = (
+        f"1-hop rps ratio {rps_ratio:.2f} (target >= {RPS_TARGET}), "
+        f"chain c1 p50 ratio {p50_ratio:.2f} (target <= {P50_TARGET})"
+    )
+    if failing_targets:
+        figures += f", failed/errored requests or dead hops in: {', '.join(failing_targets)} (target: none)"
+    print(f"verdict: {'PASS' if ok else 'FAIL'} {figures}")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        if len(sys.argv) < 4:
+            raise SystemExit("usage: chain.py --serve ROLE PORT [UPSTREAM_PORT...]")
+        serve(sys.argv[2], int(sys.argv[3]), [int(p) for p in sys.argv[4:]])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=20000, help="requests for the rps run (default 20000)")
+    parser.add_argument("-m", type=int, default=2000, help="requests for the c1 latency run (default 2000)")
+    parser.add_argument("--quick", action="store_true", help="rps run with -n 3000")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print h2load's output")
+    args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the finally block still stops every server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run_benchmark(3000 if args.quick else args.n, args.m, args.verbose)
+    except KeyboardInterrupt:
+        print("interrupted; servers stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

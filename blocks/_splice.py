@@ -1,0 +1,292 @@
+"""Splicing: one downstream h2 stream joined to one upstream h2 stream.
+
+The fast path of every h2 -> h2 hop. When a hop can decide where a request
+goes without waiting (route in memory, a pooled connection with a free
+stream slot), the listener does not start a task for it: the request head is
+sent upstream at once, and from then on each frame is relayed by the reader
+that receives it, straight into the other connection's state machine. No
+task, no cancel scope, no queue per request; the hop's work is the two h2
+state machines and nothing else. Anything that has to wait (a connection
+being opened, a queue) takes the task path instead.
+
+Invariants:
+
+- Flow control is end to end. Data received on one side is acknowledged to
+  its sender only once it has been handed to the other side's state
+  machine; what the other side's window cannot take yet waits in
+  ``_Pipe.pending`` and goes when that window opens. So each splice holds at
+  most one stream window of data per direction, and a slow reader throttles
+  only its own sender.
+- A splice ends exactly once (``on_close`` runs once): when both directions
+  delivered their end, or when either side fails. A failure on one side
+  resets the other; an upstream failure before the response head becomes an
+  error response (502, or 504 for a timeout) instead.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import h2.errors
+import h2.exceptions
+
+from blocks.errors import UpstreamTimeout
+from blocks.http import Headers, error_response
+
+if TYPE_CHECKING:
+    from blocks._h2 import H2Driver, H2Stream
+
+_CANCEL = h2.errors.ErrorCodes.CANCEL
+_NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
+_STATUS = {code: b"%d" % code for code in range(100, 600)}
+
+HeadFilter = Callable[[int, Headers], Headers]
+"""Rewrites the response head on its way downstream (Server-Timing, ...)."""
+
+
+class _Pipe:
+    """One direction of a splice: DATA and the end of stream, ``src`` -> ``dst``."""
+
+    __slots__ = ("done", "dst", "dst_st", "ended", "pending", "src", "src_st", "trailers")
+
+    def __init__(self, src: H2Driver, src_st: H2Stream, dst: H2Driver, dst_st: H2Stream) -> None:
+        self.src = src
+        self.src_st = src_st
+        self.dst = dst
+        self.dst_st = dst_st
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.ended = False
+        self.done = False
+        self.trailers: Headers | None = None
+
+    def feed(self, data: bytes, size: int, end: bool) -> None:
+        padding = size - len(data)
+        if padding:
+            self.src.h2.acknowledge_received_data(padding, self.src_st.id)
+        if end:
+            self.ended = True
+        if data:
+            if self.pending:
+                self.pending.append(data)
+                return
+            if not self._push(data):
+                return
+        if self.ended and not self.done:
+            self._finish(with_data=False)
+
+    def _push(self, data: bytes) -> bool:
+        """Send as much of ``data`` as the windows allow; keep the rest. True if all went."""
+        dst = self.dst.h2
+        sid = self.dst_st.id
+        src = self.src.h2
+        src_sid = self.src_st.id
+        while data:
+            room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
+            if room <= 0:
+                self.pending.appendleft(data)
+                return False
+            if len(data) <= room:
+                # The common case: the whole chunk, with END_STREAM when it is the last.
+                last = self.ended and not self.pending and self.trailers is None
+                dst.send_data(sid, data, end_stream=last)
+                _ack(src, len(data), src_sid)
+                if last:
+                    self.done = True
+                    self.dst_st.local_ended = True
+                return True
+            dst.send_data(sid, data[:room])
+            _ack(src, room, src_sid)
+            data = data[room:]
+        return True
+
+    def flush(self) -> None:
+        """The destination's window may have opened."""
+        pending = self.pending
+        while pending:
+            if not self._push(pending.popleft()):
+                return
+        if self.ended and not self.done:
+            self._finish(with_data=False)
+
+    def end(self, trailers: Headers | None) -> None:
+        self.ended = True
+        if trailers:
+            self.trailers = trailers
+        if not self.pending and not self.done:
+            self._finish(with_data=False)
+
+    def _finish(self, *, with_data: bool) -> None:
+        self.done = True
+        self.dst_st.local_ended = True
+        if self.trailers:
+            self.dst.h2.send_headers(self.dst_st.id, self.trailers, end_stream=True)
+        else:
+            self.dst.h2.end_stream(self.dst_st.id)
+
+
+def _ack(conn: h2.connection.H2Connection, size: int, sid: int) -> None:
+    try:
+        conn.acknowledge_received_data(size, sid)
+    except h2.exceptions.ProtocolError:
+        pass  # the source stream is already gone; nothing to give back
+
+
+class Splice:
+    """A downstream (server) stream joined to an upstream (client) stream."""
+
+    __slots__ = ("closed", "down", "down_st", "head_filter", "head_sent", "on_close", "request", "response", "up")
+
+    def __init__(
+        self,
+        down: H2Driver,
+        down_st: H2Stream,
+        up: H2Driver,
+        up_st: H2Stream,
+        *,
+        request_ended: bool,
+        head_filter: HeadFilter | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.down = down
+        self.down_st = down_st
+        self.up = up
+        self.request = _Pipe(down, down_st, up, up_st)
+        self.response = _Pipe(up, up_st, down, down_st)
+        self.head_filter = head_filter
+        self.on_close = on_close
+        self.head_sent = False
+        self.closed = False
+        if request_ended:
+            self.request.ended = self.request.done = True
+            up_st.local_ended = True
+        down_st.splice = self
+        up_st.splice = self
+
+    # -- events, called by the driver that received them ---------------------------------
+
+    def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None:
+        pipe = self.request if st is self.down_st else self.response
+        if self.closed or pipe.done:
+            _ack(driver.h2, size, st.id)
+            return
+        try:
+            pipe.feed(data, size, end)
+        except h2.exceptions.ProtocolError:
+            self._abort()
+            return
+        self._kick()
+        self._maybe_complete()
+
+    def ended(self, st: H2Stream, trailers: Headers | None = None) -> None:
+        pipe = self.request if st is self.down_st else self.response
+        if self.closed or pipe.done:
+            self._maybe_complete()
+            return
+        try:
+            pipe.end(trailers)
+        except h2.exceptions.ProtocolError:
+            self._abort()
+            return
+        self._kick()
+        self._maybe_complete()
+
+    def window(self, st: H2Stream) -> None:
+        """``st``'s send window may have opened: flush the pipe that writes to it."""
+        pipe = self.response if st is self.down_st else self.request
+        if self.closed or not pipe.pending:
+            return
+        try:
+            pipe.flush()
+        except h2.exceptions.ProtocolError:
+            self._abort()
+            return
+        self._kick()
+        self._maybe_complete()
+
+    def head(self, status: int, headers: Headers, ended: bool) -> None:
+        """The upstream's response head arrived."""
+        if self.closed:
+            return
+        if self.head_filter is not None:
+            headers = self.head_filter(status, headers)
+        head = [(b":status", _STATUS.get(status) or b"%d" % status)]
+        head += headers
+        try:
+            self.down.h2.send_headers(self.down_st.id, head, end_stream=ended)
+        except h2.exceptions.ProtocolError:
+            self._abort()
+            return
+        self.head_sent = True
+        if ended:
+            self.response.ended = self.response.done = True
+            self.down_st.local_ended = True
+        self.down.kick()
+        self._maybe_complete()
+
+    def failed(self, driver: H2Driver, error: BaseException) -> None:
+        """One side's stream died (reset by its peer, timed out, connection lost)."""
+        if self.closed:
+            return
+        self.closed = True
+        if driver is self.up:
+            self._upstream_failed(error)
+        else:
+            self.up.reset(self.response.src_st, _CANCEL)
+        self._close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _upstream_failed(self, error: BaseException) -> None:
+        down, st = self.down, self.down_st
+        if st.closed or down.closed:
+            return
+        if self.response.done:
+            # The response is complete; an early end of the request side is fine.
+            if self.request.done:
+                down.finish_stream(st)
+            else:
+                down.reset(st, _NO_ERROR)
+            return
+        if self.head_sent:
+            down.reset(st, _CANCEL)
+            return
+        response = error_response(504 if isinstance(error, UpstreamTimeout) else 502)
+        head = [(b":status", _STATUS[response.status]), *response.headers]
+        try:
+            down.h2.send_headers(st.id, head)
+            down.h2.send_data(st.id, response.body.data, end_stream=True)  # type: ignore[attr-defined]
+        except h2.exceptions.ProtocolError:
+            down.reset(st, _CANCEL)
+            return
+        if self.request.done:
+            down.finish_stream(st)
+        else:
+            down.reset(st, _NO_ERROR)
+
+    def _abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.down.reset(self.down_st, _CANCEL)
+        self.up.reset(self.response.src_st, _CANCEL)
+        self._close()
+
+    def _kick(self) -> None:
+        self.down.kick()
+        self.up.kick()
+
+    def _maybe_complete(self) -> None:
+        if self.closed or not (self.request.done and self.response.done):
+            return
+        # Both ends delivered; the upstream's own end arrived (response done), ours was sent.
+        self.closed = True
+        self.down.finish_stream(self.down_st)
+        self.up.finish_stream(self.response.src_st)
+        self._close()
+
+    def _close(self) -> None:
+        callback, self.on_close = self.on_close, None
+        if callback is not None:
+            callback()
