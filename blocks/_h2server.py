@@ -23,7 +23,7 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, Relay, make_h2
+from blocks._h2 import H2Driver, H2Stream, Relay, flush_marked, make_h2
 from blocks._validate import validate_request_head
 from blocks.errors import BlocksError, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response
@@ -57,6 +57,7 @@ class H2ServerConnection(H2Driver):
             max_concurrent_streams=config.max_concurrent_streams,
             stream_window=config.stream_window,
             max_header_list_size=config.max_header_list_size,
+            huffman=config.hpack_huffman,
         )
         super().__init__(stream, conn, connection_window=config.connection_window)
         self.handler = handler
@@ -123,7 +124,8 @@ class H2ServerConnection(H2Driver):
             handler = dispatch.get(type(ev))
             if handler is not None:
                 handler(ev)
-        self.kick()
+        self.mark()
+        flush_marked()
 
     # -- events ----------------------------------------------------------------
 

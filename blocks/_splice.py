@@ -222,7 +222,7 @@ class Splice:
         if ended:
             self.response.ended = self.response.done = True
             self.down_st.local_ended = True
-        self.down.kick()
+        self.down.mark()
         self._maybe_complete()
 
     def failed(self, driver: H2Driver, error: BaseException) -> None:
@@ -274,8 +274,9 @@ class Splice:
         self._close()
 
     def _kick(self) -> None:
-        self.down.kick()
-        self.up.kick()
+        # Always called from a reader's batch: flushed when the batch ends.
+        self.down.mark()
+        self.up.mark()
 
     def _maybe_complete(self) -> None:
         if self.closed or not (self.request.done and self.response.done):

@@ -64,6 +64,7 @@ class ListenerConfig:
     h1_idle_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
     close_timeout: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
     drain_goaway_delay: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
+    hpack_huffman: bool = False
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ import h2.exceptions
 import h11
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, make_h2
+from blocks._h2 import H2Driver, H2Stream, flush_marked, make_h2
 from blocks._splice import HeadFilter, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
@@ -165,7 +165,8 @@ class H2ClientConnection(H2Driver):
                     handler = dispatch.get(type(ev))
                     if handler is not None:
                         handler(ev)
-                self.kick()
+                self.mark()
+                flush_marked()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
