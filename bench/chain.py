@@ -9,9 +9,13 @@ What it measures, all over h2c on 127.0.0.1, every server a separate OS process:
     reference 3-hop chain     three of those in a row
     (and both reference rows again with --novalid)
 
-For each target: a short warm-up (h2load -n 500 -c 8 -m 32), then throughput
-(h2load -n N -c 8 -m 32, req/s) and one-request-at-a-time latency
-(h2load -n M -c 1 -m 1; p50/p99 from h2load's --log-file). It then prints
+Every target is started up front and stays up; then several rounds visit
+each target in turn (a rotated order each round): a short warm-up in the
+first round (h2load -n 500 -c 8 -m 32), then throughput (h2load -n N -c 8
+-m 32, req/s) and one-request-at-a-time latency (h2load -n M -c 1 -m 1;
+p50/p99 from h2load's --log-file). Figures are medians over the rounds, so
+a burst of outside load on a 2-core machine lands on every target alike.
+It then prints
 the ratios the project aims for and a last line ``verdict: PASS|FAIL ...``:
 
     proxyblocks 1 hop rps / reference hop rps            >= 1.2
@@ -24,8 +28,8 @@ drift with the machine.
 
 Run it from the repository root (needs h2load: apt-get install nghttp2-client):
 
-    python bench/chain.py            # N=20000, M=2000
-    python bench/chain.py --quick    # N=3000
+    python bench/chain.py            # N=20000, M=2000, 5 rounds
+    python bench/chain.py --quick    # N=3000, M=1000, 3 rounds
     python bench/chain.py -n 50000 -m 5000
 
 ``python bench/chain.py --serve ROLE PORT [UPSTREAM_PORT...]`` is the helper
@@ -43,6 +47,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,10 +221,11 @@ def percentile(sorted_values: list[int], q: float) -> float:
     return float(sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)])
 
 
-def measure(name: str, port: int, n: int, m: int, tmp: Path, verbose: bool) -> Result:
+def measure(name: str, port: int, n: int, m: int, tmp: Path, verbose: bool, *, warm: bool) -> Result:
     result = Result(name)
-    _, problems = h2load(port, WARMUP, timeout=60)
-    result.problems += problems
+    if warm:
+        _, problems = h2load(port, WARMUP, timeout=60)
+        result.problems += problems
 
     out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
     result.problems += problems
@@ -281,7 +287,7 @@ def targets(replica_port: int) -> list[tuple[str, list[Hop]]]:
     return found
 
 
-def run_benchmark(n: int, m: int, verbose: bool) -> int:
+def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
     if shutil.which("h2load") is None:
         print("h2load not found: install it with `apt-get install nghttp2-client`", file=sys.stderr)
         return 2
@@ -292,13 +298,19 @@ def run_benchmark(n: int, m: int, verbose: bool) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="proxyblocks-bench-"))
     procs = Processes(tmp)
     results: dict[str, Result] = {}
-    print(f"h2load: rps with -n {n} -c 8 -m 32, latency with -n {m} -c 1 -m 1; {os.cpu_count()} CPUs; logs in {tmp}")
+    print(
+        f"h2load: rps with -n {n} -c 8 -m 32, latency with -n {m} -c 1 -m 1; {rounds} interleaved rounds, "
+        f"medians; {os.cpu_count()} CPUs; logs in {tmp}"
+    )
     print(f"load average before: {load_average()}", flush=True)
     try:
+        # Every target runs for the whole benchmark, and the rounds visit them in
+        # turn (a different order each round), so a burst of outside load lands
+        # on all of them alike instead of on one.
         replica_port = free_port()
         replica = procs.start("replica", self_argv("replica", replica_port), ROOT, replica_port)
+        ready: dict[str, tuple[int, list[Process]]] = {}
         for label, chain in targets(replica_port):
-            print(f"... {label}", flush=True)
             hops: list[Process] = []
             port = replica_port
             try:
@@ -309,17 +321,33 @@ def run_benchmark(n: int, m: int, verbose: bool) -> int:
                     port = listen
             except RuntimeError as exc:
                 results[label] = Result(label, problems=[f"could not start: {exc}"])
-                procs.stop(hops)
                 continue
-            result = results[label] = measure(label, port, n, m, tmp, verbose)
-            for proc in [*hops, replica]:
-                if (code := proc.popen.poll()) is not None:
-                    how = f"killed by signal {-code} (not by this script)" if code < 0 else f"exited with {code}"
-                    result.problems.append(f"{proc.name} {how} during the run")
+            ready[label] = (port, hops)
+        samples: dict[str, list[Result]] = {label: [] for label in ready}
+        labels = list(ready)
+        for round_no in range(rounds):
+            order = labels[round_no % len(labels) :] + labels[: round_no % len(labels)]
+            print(f"... round {round_no + 1}/{rounds}", flush=True)
+            for label in order:
+                port, hops = ready[label]
+                sample = measure(label, port, n, m, tmp, verbose, warm=round_no == 0)
+                for proc in [*hops, replica]:
+                    if (code := proc.popen.poll()) is not None:
+                        how = f"killed by signal {-code} (not by this script)" if code < 0 else f"exited with {code}"
+                        sample.problems.append(f"{proc.name} {how} during the run")
+                samples[label].append(sample)
+        for label, runs in samples.items():
+            result = results[label] = Result(
+                label,
+                rps=statistics.median(r.rps for r in runs),
+                p50_us=statistics.median(r.p50_us for r in runs),
+                p99_us=statistics.median(r.p99_us for r in runs),
+                problems=[p for r in runs for p in r.problems],
+            )
             if result.problems:
+                _, hops = ready[label]
                 for proc in [*hops, replica]:
                     result.problems.append(f"output of {proc.name} (last lines):\n{proc.tail() or '(empty)'}")
-            procs.stop(hops)
     finally:
         procs.stop_all()
     print(f"load average after: {load_average()}  (other processes on the machine skew the figures)")
@@ -379,13 +407,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=20000, help="requests for the rps run (default 20000)")
     parser.add_argument("-m", type=int, default=2000, help="requests for the c1 latency run (default 2000)")
-    parser.add_argument("--quick", action="store_true", help="rps run with -n 3000")
+    parser.add_argument("--quick", action="store_true", help="rps run with -n 3000, latency with -m 1000, 3 rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; figures are medians (default 5)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print h2load's output")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the finally block still stops every server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        return run_benchmark(3000 if args.quick else args.n, args.m, args.verbose)
+        if args.quick:
+            return run_benchmark(3000, 1000, 3, args.verbose)
+        return run_benchmark(args.n, args.m, max(1, args.rounds), args.verbose)
     except KeyboardInterrupt:
         print("interrupted; servers stopped", file=sys.stderr)
         return 130
