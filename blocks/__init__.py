@@ -35,8 +35,8 @@ from blocks.http import (
     text_response,
 )
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
-from blocks.multiplexer import Address, UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import LeastInFlight, Policy, Replica, RouteTable
+from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+from blocks.routing import Address, LeastInFlight, Policy, Replica, RouteTable
 from blocks.timing import Timing, add_server_timing, parse_server_timing
 from blocks.tls import make_self_signed, server_context
 

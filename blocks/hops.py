@@ -37,8 +37,8 @@ from blocks._splice import HeadFilter
 from blocks.errors import NoRoute
 from blocks.http import HOP_BY_HOP, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
-from blocks.multiplexer import Address, UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import LeastInFlight, Policy, Replica, RouteTable
+from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+from blocks.routing import Address, LeastInFlight, Policy, Replica, RouteTable
 from blocks.timing import Timing, add_server_timing
 
 INTERNAL_PREFIX = b"x-proxyblocks-"

@@ -42,11 +42,10 @@ from blocks._splice import HeadFilter, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, empty_body
+from blocks.routing import Address
 
 log = logging.getLogger("blocks.multiplexer")
 
-Address = tuple[str, int]
-"""An upstream's ``(host, port)``."""
 
 _CANCEL = h2.errors.ErrorCodes.CANCEL
 # Retried once when a kept-alive h1 connection turns out to be closed.

@@ -13,7 +13,8 @@ from typing import Protocol
 
 import attrs
 
-from blocks.multiplexer import Address
+Address = tuple[str, int]
+"""A ``(host, port)`` to connect to."""
 
 
 @attrs.frozen(kw_only=True)
