@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 
+from blocks._validate import check_header_list_size
 from blocks.errors import BadRequest, BlocksError, StreamReset
 from blocks.http import HOP_BY_HOP, Body, BytesBody, Handler, Headers, Request, Response, empty_body, error_response
 from blocks.timing import Timing
@@ -88,7 +89,8 @@ class H1RequestBody(Body):
         self._closed = True
 
 
-def _request_from(event: h11.Request, reader: _Reader, client: str, scheme: bytes) -> Request:
+def _request_from(event: h11.Request, reader: _Reader, client: str, scheme: bytes, max_size: int) -> Request:
+    check_header_list_size(event.headers, max_size)  # type: ignore[arg-type]
     headers: Headers = []
     authority = b""
     length: int | None = None
@@ -163,7 +165,10 @@ async def serve_h1(
     while True:
         request: Request | None = None
         error: int | None = None
+        if drain.draining and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
+            return
         with trio.move_on_after(config.h1_idle_timeout) as idle:
+            drain.idle_scope = idle
             try:
                 event = await reader.next_event()
             except h11.RemoteProtocolError as exc:
@@ -171,7 +176,11 @@ async def serve_h1(
                 event = None
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
+            finally:
+                drain.idle_scope = None
         if idle.cancelled_caught:
+            if drain.draining and conn.their_state is h11.IDLE:
+                return  # drained while idle: nothing half-read to answer
             # Quiet keep-alive connections just close; a half-sent head gets 408.
             if conn.their_state is h11.IDLE and not conn.trailing_data[0]:
                 return
@@ -181,8 +190,10 @@ async def serve_h1(
             return
         if type(event) is h11.Request:
             try:
-                request = _request_from(event, reader, client, scheme)
-            except (BadRequest, ValueError):
+                request = _request_from(event, reader, client, scheme, config.max_header_list_size)
+            except BadRequest as exc:
+                error = exc.status
+            except ValueError:
                 error = 400
         response: Response | None = None
         if request is not None:

@@ -2,11 +2,14 @@
 
 Theory of operation. One :class:`H2Driver` owns one ``h2.H2Connection`` on
 one trio stream, and two tasks: the role's reader loop (bytes in, events
-out) and :meth:`H2Driver.writer`, which coalesces everything the state
-machine wants to send into one ``send_all`` per wake-up. Nothing else ever
-touches the socket, so a stream task never blocks on another stream's
-bytes: it calls into the state machine (which never blocks) and kicks the
-writer.
+out) and :meth:`H2Driver.writer`, which sends what the state machine queued.
+Stream tasks never touch the socket: they call into the state machine (which
+never blocks) and ``kick()`` the writer, so no stream ever waits on another
+stream's bytes. Readers go one better: at the end of each batch they write
+every connection the batch touched with one non-blocking ``os.write``
+(:func:`flush_marked`), and only what the socket does not take goes to the
+writer task. Bytes are never reordered: a direct write happens only while
+the writer has nothing pending.
 
 Invariants:
 

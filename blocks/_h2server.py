@@ -160,7 +160,7 @@ class H2ServerConnection(H2Driver):
         (400) that leaves the connection's other streams alone.
         """
         if self.config.validate:
-            return validate_request_head(request, raw)
+            return validate_request_head(request, raw, self.config.max_header_list_size)
         headers = request.headers
         length = None
         for name, value in raw:
@@ -250,6 +250,7 @@ class H2ServerConnection(H2Driver):
 
     async def _run_stream(self, st: H2Stream, request: Request, error: BlocksError | None) -> None:
         response: Response | None = None
+        sent = False
         try:
             with trio.CancelScope() as scope:
                 st.cancel_scope = scope
@@ -270,6 +271,7 @@ class H2ServerConnection(H2Driver):
                     await _abandon(response.body)
                     response.body = empty_body()
                 await self._send_response(st, response)
+                sent = True
         except StreamReset:
             pass
         except Exception:
@@ -282,7 +284,11 @@ class H2ServerConnection(H2Driver):
                 if not st.closed:
                     self.reset(st, _CANCEL)
             else:
-                if not st.closed:
+                if not st.closed and not sent:
+                    # The body broke (or we were cancelled) after the head: the
+                    # client must learn the response is cut short.
+                    self.reset(st, _CANCEL)
+                elif not st.closed:
                     # Sent in full. A request body the handler left unread is
                     # refused with NO_ERROR (RFC 9113 8.1), never left to stall.
                     if st.body is None or st.body.ended:

@@ -33,7 +33,7 @@ import h2.errors
 import h2.exceptions
 
 from blocks.errors import UpstreamTimeout
-from blocks.http import Headers, error_response
+from blocks.http import BytesBody, Headers, error_response
 
 if TYPE_CHECKING:
     from blocks._h2 import H2Driver, H2Stream
@@ -73,8 +73,8 @@ class _Pipe:
                 return
             if not self._push(data):
                 return
-        if self.ended and not self.done:
-            self._finish(with_data=False)
+        if self.ended and not self.done and not self.pending:
+            self._finish()
 
     def _push(self, data: bytes) -> bool:
         """Send as much of ``data`` as the windows allow; keep the rest. True if all went."""
@@ -108,16 +108,16 @@ class _Pipe:
             if not self._push(pending.popleft()):
                 return
         if self.ended and not self.done:
-            self._finish(with_data=False)
+            self._finish()
 
     def end(self, trailers: Headers | None) -> None:
         self.ended = True
         if trailers:
             self.trailers = trailers
         if not self.pending and not self.done:
-            self._finish(with_data=False)
+            self._finish()
 
-    def _finish(self, *, with_data: bool) -> None:
+    def _finish(self) -> None:
         self.done = True
         self.dst_st.local_ended = True
         if self.trailers:
@@ -253,13 +253,16 @@ class Splice:
             down.reset(st, _CANCEL)
             return
         response = error_response(504 if isinstance(error, UpstreamTimeout) else 502)
+        assert isinstance(response.body, BytesBody)
         head = [(b":status", _STATUS[response.status]), *response.headers]
         try:
             down.h2.send_headers(st.id, head)
-            down.h2.send_data(st.id, response.body.data, end_stream=True)  # type: ignore[attr-defined]
+            down.h2.send_data(st.id, response.body.data, end_stream=True)
         except h2.exceptions.ProtocolError:
             down.reset(st, _CANCEL)
             return
+        # This may run outside any reader's batch (the timeout sweeper): flush now.
+        down.kick()
         if self.request.done:
             down.finish_stream(st)
         else:

@@ -27,8 +27,22 @@ _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connecti
 _PSEUDO = {b":method": "method", b":scheme": "scheme", b":authority": "authority", b":path": "path"}
 
 
-def validate_request_head(request: Request, raw: list[tuple[bytes, bytes]]) -> int | None:
-    """Fill ``request`` from an h2 header block, checking it; return the declared length."""
+def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int) -> None:
+    size = 0
+    for name, value in fields:
+        size += len(name) + len(value) + 32
+    if size > max_size:
+        raise BadRequest(f"header list of {size} bytes is over {max_size}", status=431)
+
+
+def validate_request_head(request: Request, raw: list[tuple[bytes, bytes]], max_size: int) -> int | None:
+    """Fill ``request`` from an h2 header block, checking it; return the declared length.
+
+    ``max_size`` caps the header list as RFC 7541 4.1 counts it (each field's
+    name and value plus 32): past it, 431, so that no later hop, whose
+    decoder holds the same cap, ever sees a head it would refuse.
+    """
+    check_header_list_size(raw, max_size)
     headers = request.headers
     seen: set[bytes] = set()
     regular = False

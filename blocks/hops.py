@@ -107,22 +107,34 @@ class Edge:
                     headers.append((name, value))  # the one TE value h2 allows
                 continue
             headers.append((name, value))
+        client = request.client.encode()
         if drop_forwarded:
-            headers.append((b"x-forwarded-for", request.client.encode()))
+            headers.append((b"x-forwarded-for", client))
             headers.append((b"x-forwarded-proto", request.scheme))
+        else:
+            # Behind a trusted hop: append ourselves to the chain it started.
+            for i, (name, value) in enumerate(headers):
+                if name == b"x-forwarded-for":
+                    headers[i] = (name, value + b", " + client)
+                    break
+            else:
+                headers.append((b"x-forwarded-for", client))
         headers.append((b"via", request.http_version.encode() + b" " + self._via))
         return headers
 
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
         """Fast path for h2 clients: splice the stream to the proxy."""
+        headers = self.upstream_headers(request)
         head = _timed_head(_timing(request), self.config.name, perf_counter(), total=True)
-        return self.upstreams.splice(
-            self.config.proxy, request, self.upstream_headers(request), down, st, request_ended=ended, head_filter=head
-        )
+        if self.upstreams.splice(self.config.proxy, request, headers, down, st, request_ended=ended, head_filter=head):
+            return True
+        request.decision = headers
+        return False
 
     async def handle(self, request: Request) -> Response:
+        headers = request.decision or self.upstream_headers(request)
         head = _timed_head(_timing(request), self.config.name, perf_counter(), total=True)
-        response = await self.upstreams.request(self.config.proxy, request, self.upstream_headers(request))
+        response = await self.upstreams.request(self.config.proxy, request, headers)
         response.headers = head(response.status, response.headers)
         return response
 
@@ -192,20 +204,32 @@ class Proxy:
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
         try:
             replica, headers = self._route(request)
-        except NoRoute:
-            self._no_route -= 1  # counted again when the handler answers it
+        except NoRoute as exc:
+            request.decision = exc
             return False
         head = _timed_head(_timing(request), self.config.name, perf_counter())
-        done = self._done(replica.name)
         if self.upstreams.splice(
-            replica.worker, request, headers, down, st, request_ended=ended, head_filter=head, on_close=done
+            replica.worker,
+            request,
+            headers,
+            down,
+            st,
+            request_ended=ended,
+            head_filter=head,
+            on_close=self._done(replica.name),
         ):
             return True
-        done()
+        request.decision = (replica, headers)
         return False
 
     async def handle(self, request: Request) -> Response:
-        replica, headers = self._route(request)
+        decision = request.decision
+        if decision is None:
+            replica, headers = self._route(request)
+        elif isinstance(decision, NoRoute):
+            raise decision
+        else:
+            replica, headers = decision
         done = self._done(replica.name)
         head = _timed_head(_timing(request), self.config.name, perf_counter())
         try:
@@ -281,21 +305,33 @@ class Worker:
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
         try:
             name, target, headers = self._target(request)
-        except NoRoute:
+        except NoRoute as exc:
+            request.decision = exc
             return False
-        done = self._done(name)
         if target.protocol == "h2":
             head = _timed_head(_timing(request), self.name, perf_counter(), upstream_name="app")
             if self.upstreams.splice(
-                target.address, request, headers, down, st, request_ended=ended, head_filter=head, on_close=done
+                target.address,
+                request,
+                headers,
+                down,
+                st,
+                request_ended=ended,
+                head_filter=head,
+                on_close=self._done(name),
             ):
                 return True
-        done()
-        self.served[name] -= 1
+        request.decision = (name, target, headers)
         return False
 
     async def handle(self, request: Request) -> Response:
-        name, target, headers = self._target(request)
+        decision = request.decision
+        if decision is None:
+            name, target, headers = self._target(request)
+        elif isinstance(decision, NoRoute):
+            raise decision
+        else:
+            name, target, headers = decision
         done = self._done(name)
         head = _timed_head(_timing(request), self.name, perf_counter(), upstream_name="app")
         try:
@@ -310,8 +346,13 @@ class Worker:
 
 # -- serving ----------------------------------------------------------------------------
 
-INTERNAL_LISTENER = ListenerConfig(validate=False, max_concurrent_streams=1000)
-"""Listener settings for hops that only hear from a validating hop."""
+INTERNAL_LISTENER = ListenerConfig(validate=False, max_concurrent_streams=1000, max_header_list_size=256 * 1024)
+"""Listener settings for hops that only hear from a validating hop.
+
+Its header-list cap is well above the edge's, so the fields hops add on the
+way (``via``, ``x-forwarded-*``, the replica name) never tip a head the edge
+accepted over a later hop's limit.
+"""
 
 
 async def serve_edge(

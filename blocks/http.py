@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import http
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -233,6 +233,9 @@ class Request:
     client: str = ""
     http_version: str = "2"
     timing: Timing | None = None
+    decision: Any = None
+    """What a hop's synchronous fast path decided (a route, an error), left for
+    its handler when the fast path declined, so nothing is decided twice."""
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of header ``name`` (lowercase), or ``default``."""

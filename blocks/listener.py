@@ -44,8 +44,9 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 class ListenerConfig:
     """How a listener treats its peers. Durations in seconds.
 
-    ``validate``: check every inbound head fully (h2's header rules, one
-    canonical authority). On for anything a stranger can reach; internal
+    ``validate``: check every inbound head fully (RFC 9113 field and
+    pseudo-header rules, the header-list cap, one canonical authority; see
+    :mod:`blocks._validate`). On for anything a stranger can reach; internal
     hops that only hear from a validating hop turn it off, which is where a
     chain's speed comes from.
     """
@@ -222,13 +223,20 @@ class _Connection:
 
 
 class _H1Drain:
-    """Drain flag for an HTTP/1.1 connection: finish this request, then close."""
+    """Drain for an HTTP/1.1 connection: finish the request in flight, then close.
+
+    A connection idling between requests is closed at once: its wait for the
+    next head runs in ``idle_scope``.
+    """
 
     def __init__(self) -> None:
         self.draining = False
+        self.idle_scope: trio.CancelScope | None = None
 
     def drain(self) -> None:
         self.draining = True
+        if self.idle_scope is not None:
+            self.idle_scope.cancel()
 
 
 async def serve_http(
@@ -245,8 +253,8 @@ async def serve_http(
 
     Start it with ``server = await nursery.start(serve_http, handler)``;
     ``server.port`` is the bound port (``port=0`` picks a free one). With an
-    ``ssl_context``, ALPN offers ``h2`` and ``http/1.1`` (set here unless the
-    context already has protocols). Returns once a drain has finished.
+    ``ssl_context``, ALPN offers ``h2`` and ``http/1.1`` (set here, on the caller's
+    context). Returns once a drain has finished.
 
     ``relay`` is a hop's optional fast path for HTTP/2 requests (see
     :mod:`blocks._splice`): tried first, synchronously, for every h2 request

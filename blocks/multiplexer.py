@@ -443,19 +443,24 @@ class _H2Pool:
 
     async def request(self, request: Request, headers: Headers, timeout: float) -> Response:
         for conn in self.connections:
-            if conn.has_slot:
-                break
-        else:
-            with trio.move_on_after(timeout) as scope:
-                conn = await self.acquire()
-            if scope.cancelled_caught:
-                raise UpstreamTimeout(f"no free stream to {self.address} within {timeout}s")
+            if conn.has_slot and timeout == self.config.response_timeout:
+                # The common case: a free slot now, the pool's own timeout. The
+                # sweeper bounds the wait; no cancel scope per request.
+                st = self._open(conn, request, headers)
+                self.waiting[st] = (trio.current_time() + timeout, conn)
+                return await conn.response(st)
+        # Waiting for a slot, or a timeout of its own: one deadline for both.
+        with trio.move_on_after(timeout):
+            conn = await self.acquire()
+            st = self._open(conn, request, headers)
+            return await conn.response(st)
+        raise UpstreamTimeout(f"no response from {self.address} within {timeout}s")
+
+    def _open(self, conn: H2ClientConnection, request: Request, headers: Headers) -> H2Stream:
         try:
-            st = conn.open_stream(request, headers)
+            return conn.open_stream(request, headers)
         except h2.exceptions.ProtocolError as exc:
             raise UpstreamProtocolError(f"cannot open a stream to {self.address}: {exc}") from exc
-        self.waiting[st] = (trio.current_time() + timeout, conn)
-        return await conn.response(st)
 
 
 # -- HTTP/1.1 ---------------------------------------------------------------------------

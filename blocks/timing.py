@@ -38,8 +38,9 @@ class Timing:
     """The clock of one request at one hop.
 
     Created when the request head arrives. ``phase(name, seconds)`` records a
-    sub-phase, ``upstream_started()``/``upstream_done()`` bracket the wait for
-    the next hop, and ``entries(hop)`` renders this hop's part of the header.
+    sub-phase, the hop sets ``upstream`` to its wait for the next hop when the
+    response head arrives, and ``entries(hop)`` renders this hop's part of
+    the header.
     """
 
     __slots__ = ("_phases", "start", "upstream")
