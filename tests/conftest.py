@@ -4,12 +4,21 @@ every test bounded by ``trio.fail_after``, real clients and servers."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+import gc
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import trio
 
 from recipes.chain import Chain, main
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect after every test, so that a socket some block forgot to close
+    raises its ResourceWarning (an error here) in the test that leaked it."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture

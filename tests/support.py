@@ -1,0 +1,292 @@
+"""Test helpers: a raw HTTP/2 client, curl, and a chain assembled from blocks.
+
+The raw client exists because no high-level client does what some tests need:
+full-duplex streaming (httpx sends the whole request body before it reads),
+trailers as events, and request heads that a careful client refuses to send
+(``:authority`` and ``host`` disagreeing).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import socket
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import h2.config
+import h2.connection
+import h2.events
+import trio
+
+from blocks import (
+    EdgeConfig,
+    HTTPServer,
+    LocalReplica,
+    Proxy,
+    Replica,
+    RouteTable,
+    UpstreamConfig,
+    Worker,
+    serve_demo_replica,
+    serve_edge,
+    serve_proxy,
+    serve_worker,
+)
+
+HOST = "127.0.0.1"
+Headers = list[tuple[bytes, bytes]]
+
+
+# -- curl -------------------------------------------------------------------------------
+
+
+async def curl(*args: str) -> str:
+    """Run curl (never through a proxy from the environment) and return its stdout."""
+    result = await trio.run_process(
+        ["curl", "--silent", "--show-error", "--noproxy", "*", "--max-time", "20", *args],
+        capture_stdout=True,
+        capture_stderr=True,
+    )
+    return result.stdout.decode()
+
+
+# -- a raw h2 client ----------------------------------------------------------------------
+
+
+@attrs.define
+class H2Result:
+    """Everything one stream delivered."""
+
+    status: int
+    headers: Headers
+    body: bytes
+    trailers: Headers | None
+    events: list[h2.events.Event]
+    reset: h2.events.StreamReset | None = None
+    terminated: h2.events.ConnectionTerminated | None = None
+    connection_lost: bool = False
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+class RawH2Client:
+    """``h2`` on a trio TCP stream, prior knowledge, one reader task.
+
+    Each stream's events go to its own channel; ``next_event`` reads them in
+    order. Received data is acknowledged at once, so the server's window
+    never closes on us. Outbound header validation is off so that tests can
+    send what a careful client would refuse.
+    """
+
+    def __init__(self, stream: trio.SocketStream, authority: bytes) -> None:
+        self.stream = stream
+        self.authority = authority
+        config = h2.config.H2Configuration(
+            client_side=True,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        self.conn = h2.connection.H2Connection(config)
+        self.terminated: h2.events.ConnectionTerminated | None = None
+        self.closed = trio.Event()
+        self._send_lock = trio.Lock()
+        self._channels: dict[int, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]] = {}
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, port: int, host: str = HOST) -> AsyncIterator[RawH2Client]:
+        stream = await trio.open_tcp_stream(host, port)
+        client = cls(stream, f"{host}:{port}".encode())
+        async with stream, trio.open_nursery() as nursery:
+            client.conn.initiate_connection()
+            await client.flush()
+            nursery.start_soon(client._reader)
+            try:
+                yield client
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def flush(self) -> None:
+        async with self._send_lock:
+            data = self.conn.data_to_send()
+            if data:
+                await self.stream.send_all(data)
+
+    async def _reader(self) -> None:
+        try:
+            while True:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                if not data:
+                    return
+                for event in self.conn.receive_data(data):
+                    if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
+                        self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    if isinstance(event, h2.events.ConnectionTerminated):
+                        self.terminated = event
+                    sid = getattr(event, "stream_id", None)
+                    if sid in self._channels:
+                        self._channels[sid][0].send_nowait(event)
+                await self.flush()
+        finally:
+            self.closed.set()
+            for send, _ in self._channels.values():
+                send.close()
+
+    def head(self, method: bytes, path: bytes, *extra: tuple[bytes, bytes]) -> Headers:
+        return [
+            (b":method", method),
+            (b":scheme", b"http"),
+            (b":authority", self.authority),
+            (b":path", path),
+            *extra,
+        ]
+
+    async def start(self, headers: Headers, *, end_stream: bool = True) -> int:
+        """Open a stream with ``headers``; returns its id."""
+        sid: int = self.conn.get_next_available_stream_id()
+        self._channels[sid] = trio.open_memory_channel(math.inf)
+        self.conn.send_headers(sid, headers, end_stream=end_stream)
+        await self.flush()
+        return sid
+
+    async def send(self, sid: int, data: bytes, *, end_stream: bool = False) -> None:
+        assert len(data) <= self.conn.local_flow_control_window(sid), "the tests send small bodies"
+        self.conn.send_data(sid, data, end_stream=end_stream)
+        await self.flush()
+
+    async def end(self, sid: int) -> None:
+        self.conn.end_stream(sid)
+        await self.flush()
+
+    async def next_event(self, sid: int) -> h2.events.Event:
+        """The stream's next event; ``trio.EndOfChannel`` once the connection is gone."""
+        return await self._channels[sid][1].receive()
+
+    async def collect(self, sid: int) -> H2Result:
+        """Read the stream's events until it ends, is reset, or the connection goes."""
+        result = H2Result(0, [], b"", None, [])
+        body = bytearray()
+        while True:
+            try:
+                event = await self.next_event(sid)
+            except trio.EndOfChannel:
+                result.connection_lost = True
+                result.terminated = self.terminated
+                break
+            result.events.append(event)
+            if isinstance(event, h2.events.ResponseReceived):
+                for name, value in event.headers:
+                    if name == b":status":
+                        result.status = int(value)
+                    else:
+                        result.headers.append((name, value))
+            elif isinstance(event, h2.events.DataReceived):
+                body += event.data
+            elif isinstance(event, h2.events.TrailersReceived):
+                result.trailers = list(event.headers)
+            elif isinstance(event, h2.events.StreamReset):
+                result.reset = event
+                break
+            elif isinstance(event, h2.events.StreamEnded):
+                break
+        result.body = bytes(body)
+        return result
+
+    async def request(self, headers: Headers, body: bytes | None = None) -> H2Result:
+        sid = await self.start(headers, end_stream=body is None)
+        if body is not None:
+            await self.send(sid, body, end_stream=True)
+        return await self.collect(sid)
+
+
+# -- a chain assembled from blocks -------------------------------------------------------------
+
+
+def closed_port() -> int:
+    """A loopback port that nothing listens on: bound once, never listened on, closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@attrs.define
+class Assembled:
+    edge: HTTPServer
+    proxy_server: HTTPServer
+    proxy: Proxy
+    worker_server: HTTPServer
+    worker: Worker
+    replicas: dict[str, HTTPServer]
+
+    @property
+    def port(self) -> int:
+        return self.edge.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.edge.port}"
+
+
+async def assemble(
+    nursery: trio.Nursery,
+    *,
+    replicas: Sequence[str] = ("replica-0",),
+    dead: Sequence[str] = (),
+    domains: Mapping[str, str] | None = None,
+    apps: Mapping[str, Sequence[str]] | None = None,
+    worker_upstream: UpstreamConfig | None = None,
+    protocol: str = "h2",
+) -> Assembled:
+    """edge -> proxy -> one worker -> demo ``replicas`` (and ``dead`` ones on closed ports).
+
+    ``domains`` defaults to ``{"*": "demo"}`` and ``apps`` to every replica,
+    dead ones included, under ``demo``.
+    """
+    servers: dict[str, HTTPServer] = {}
+    local: dict[str, LocalReplica] = {}
+    for name in replicas:
+        server = await nursery.start(serve_demo_replica, name)
+        servers[name] = server
+        local[name] = LocalReplica((HOST, server.port), protocol)
+    for name in dead:
+        local[name] = LocalReplica((HOST, closed_port()), protocol)
+    worker_server, worker = await nursery.start(functools.partial(serve_worker, local, upstream=worker_upstream))
+    worker_address = (HOST, worker_server.port)
+    if apps is None:
+        apps = {"demo": list(local)}
+    table = RouteTable.build(
+        domains if domains is not None else {"*": "demo"},
+        {
+            app: [
+                Replica(name=n, worker=worker_address, address=local[n].address, protocol=local[n].protocol)
+                for n in names
+            ]
+            for app, names in apps.items()
+        },
+    )
+    proxy_server, proxy = await nursery.start(serve_proxy, table)
+    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
+    return Assembled(edge, proxy_server, proxy, worker_server, worker, servers)
+
+
+async def raw_exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it."""
+    stream = await trio.open_tcp_stream(HOST, port)
+    async with stream:
+        await stream.send_all(data)
+        received = bytearray()
+        while chunk := await stream.receive_some(65536):
+            received += chunk
+    return bytes(received)

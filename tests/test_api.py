@@ -1,0 +1,74 @@
+"""The public namespace, and the sans-IO rule for decision logic."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import blocks
+
+BLOCKS = Path(blocks.__file__).resolve().parent
+SANS_IO = ["routing"]
+
+
+def test_every_exported_name_exists() -> None:
+    missing = [name for name in blocks.__all__ if not hasattr(blocks, name)]
+    assert missing == []
+    assert len(set(blocks.__all__)) == len(blocks.__all__), "a name is exported twice"
+
+
+def test_nothing_private_is_exported() -> None:
+    assert [name for name in blocks.__all__ if name.startswith("_")] == []
+
+
+def test_the_package_defines_nothing_public_beyond_all() -> None:
+    public = {
+        name
+        for name, value in vars(blocks).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public <= set(blocks.__all__), sorted(public - set(blocks.__all__))
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an ``import`` statement in ``path`` names, wherever it sits."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names.add(node.module)
+    return names
+
+
+def test_sans_io_modules_do_not_import_trio() -> None:
+    for module in SANS_IO:
+        imported = _imported_modules(BLOCKS / f"{module}.py")
+        assert not {name for name in imported if name == "trio" or name.startswith("trio.")}, module
+
+
+# Loads ``blocks.<module>`` without running the package's ``__init__`` (which
+# imports every block, trio ones included), so that only what the module
+# itself pulls in, directly or through other blocks, ends up in sys.modules.
+_PROBE = """
+import sys, types
+package = types.ModuleType("blocks")
+package.__path__ = [sys.argv[1]]
+sys.modules["blocks"] = package
+__import__("blocks." + sys.argv[2])
+print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] in ("trio", "blocks"))))
+"""
+
+
+def test_sans_io_modules_load_without_trio() -> None:
+    for module in SANS_IO:
+        result = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(BLOCKS), module], capture_output=True, text=True, timeout=60, check=True
+        )
+        loaded = result.stdout.split()
+        assert f"blocks.{module}" in loaded
+        through = [name for name in loaded if name.startswith("blocks.")]
+        assert "trio" not in loaded, f"importing blocks.{module} loads trio, through {through}"
