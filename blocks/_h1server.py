@@ -17,9 +17,21 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 
+from blocks._h1 import H1Body, H1Stream
 from blocks._validate import check_header_list_size
-from blocks.errors import BadRequest, BlocksError, StreamReset
-from blocks.http import HOP_BY_HOP, Body, BytesBody, Handler, Headers, Request, Response, empty_body, error_response
+from blocks.errors import BadRequest, StreamReset
+from blocks.http import (
+    HOP_BY_HOP,
+    Body,
+    BytesBody,
+    Handler,
+    Headers,
+    Request,
+    Response,
+    empty_body,
+    error_response,
+    respond,
+)
 from blocks.timing import Timing
 
 if TYPE_CHECKING:
@@ -30,66 +42,21 @@ log = logging.getLogger("blocks.listener")
 _REASONS: dict[int, bytes] = {}
 
 
-class _Reader:
-    """h11 events from a trio stream."""
+class H1RequestBody(H1Body):
+    """A request body read from the connection on demand (``100 Continue`` first if asked)."""
 
-    def __init__(self, stream: trio.abc.Stream, conn: h11.Connection) -> None:
-        self.stream = stream
-        self.conn = conn
+    __slots__ = ()
 
-    async def next_event(self) -> Any:
-        conn = self.conn
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            conn.receive_data(await self.stream.receive_some(65536))  # type: ignore[arg-type]
-
-
-class H1RequestBody(Body):
-    """A request body read from the connection on demand."""
-
-    __slots__ = ("_closed", "_done", "_reader")
-
-    def __init__(self, reader: _Reader, length: int | None) -> None:
-        super().__init__(length)
-        self._reader = reader
-        self._done = False
-        self._closed = False
-
-    @property
-    def ended(self) -> bool:
-        return self._done
+    peer = "client"
 
     async def receive(self) -> bytes:
-        if self._done:
-            return b""
-        if self._closed:
-            raise StreamReset("request body abandoned")
-        reader = self._reader
-        conn = reader.conn
-        if conn.they_are_waiting_for_100_continue:
-            await reader.stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-        try:
-            event = await reader.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise StreamReset(f"bad request body: {exc}") from exc
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise StreamReset("client went away") from exc
-        if type(event) is h11.Data:
-            return bytes(event.data)
-        if type(event) is h11.EndOfMessage:
-            self._done = True
-            self.trailers = list(event.headers) or None
-            return b""
-        self._closed = True
-        raise StreamReset("client closed the connection mid-body")
-
-    async def aclose(self) -> None:
-        self._closed = True
+        h1 = self._h1
+        if not self._done and h1.conn.they_are_waiting_for_100_continue:
+            await h1.stream.send_all(h1.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        return await super().receive()
 
 
-def _request_from(event: h11.Request, reader: _Reader, client: str, scheme: bytes, max_size: int) -> Request:
+def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: bytes, max_size: int) -> Request:
     check_header_list_size(event.headers, max_size)  # type: ignore[arg-type]
     headers: Headers = []
     authority = b""
@@ -161,7 +128,7 @@ async def serve_h1(
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.max_header_list_size)
     if initial:
         conn.receive_data(initial)
-    reader = _Reader(stream, conn)
+    reader = H1Stream(stream, conn)
     while True:
         request: Request | None = None
         error: int | None = None
@@ -197,14 +164,7 @@ async def serve_h1(
                 error = 400
         response: Response | None = None
         if request is not None:
-            try:
-                response = await handler(request)
-            except BlocksError as exc:
-                log.debug("%s %s -> %d: %s", request.method, request.path, exc.status, exc)
-                response = error_response(exc.status)
-            except Exception:
-                log.exception("handler failed for %r %r", request.method, request.path)
-                response = error_response(500)
+            response = await respond(handler, request)
         else:
             response = error_response(error or 400)
         if request is not None and request.method == b"HEAD" and not response.body.ended:

@@ -93,6 +93,9 @@ def make_h2(
         normalize_outbound_headers=False,
     )
     conn = h2.connection.H2Connection(config)
+    # h2 applies our SETTINGS to its decoder only once the peer acknowledges
+    # them; a head that arrives before that must meet the same limit.
+    conn.decoder.max_header_list_size = max_header_list_size
     if not huffman:
         conn.encoder = PlainEncoder()
     codes = h2.settings.SettingCodes
@@ -163,6 +166,8 @@ False (nothing done) to let the handler task take the request."""
 
 class H2Driver:
     """An ``H2Connection`` on a trio stream, with a coalescing writer."""
+
+    peer = "peer"  # who is on the other end, for messages
 
     def __init__(self, stream: trio.abc.Stream, conn: h2.connection.H2Connection, *, connection_window: int) -> None:
         self.stream = stream
@@ -354,6 +359,22 @@ class H2Driver:
         if padding:
             self.h2.acknowledge_received_data(padding, ev.stream_id)
         body.feed(data)
+
+    def on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+        st = self.streams.get(ev.stream_id)
+        if st is not None:
+            if st.splice is not None:
+                st.splice.ended(st, list(ev.headers))
+            elif st.body is not None:
+                st.body.end(list(ev.headers))
+
+    def on_reset(self, ev: h2.events.StreamReset) -> None:
+        st = self.streams.get(ev.stream_id)
+        if st is not None:
+            self.fail_stream(st, StreamReset(f"{self.peer} reset the stream ({ev.error_code!r})"))
+
+    def on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+        self.wake_all_windows()
 
     def on_window_updated(self, ev: h2.events.WindowUpdated) -> None:
         if ev.stream_id:

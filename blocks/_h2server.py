@@ -26,7 +26,7 @@ import trio
 from blocks._h2 import H2Driver, H2Stream, Relay, flush_marked, make_h2
 from blocks._validate import validate_request_head
 from blocks.errors import BlocksError, StreamReset
-from blocks.http import Body, Handler, Request, Response, empty_body, error_response
+from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
 from blocks.timing import Timing
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ _INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
 
 
 class H2ServerConnection(H2Driver):
+    peer = "client"
+
     def __init__(
         self,
         stream: trio.abc.Stream,
@@ -56,7 +58,9 @@ class H2ServerConnection(H2Driver):
             client_side=False,
             max_concurrent_streams=config.max_concurrent_streams,
             stream_window=config.stream_window,
-            max_header_list_size=config.max_header_list_size,
+            # h2's decoder fails the whole connection past this; twice the cap
+            # leaves room for the per-stream 431 that validation answers.
+            max_header_list_size=2 * config.max_header_list_size,
             huffman=config.hpack_huffman,
         )
         super().__init__(stream, conn, connection_window=config.connection_window)
@@ -73,10 +77,10 @@ class H2ServerConnection(H2Driver):
             h2.events.RequestReceived: self._on_request,
             h2.events.DataReceived: self.on_data,
             h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.TrailersReceived: self._on_trailers,
-            h2.events.StreamReset: self._on_reset,
+            h2.events.TrailersReceived: self.on_trailers,
+            h2.events.StreamReset: self.on_reset,
             h2.events.WindowUpdated: self.on_window_updated,
-            h2.events.RemoteSettingsChanged: self._on_settings,
+            h2.events.RemoteSettingsChanged: self.on_settings,
             h2.events.ConnectionTerminated: self._on_terminated,
         }
 
@@ -187,22 +191,6 @@ class H2ServerConnection(H2Driver):
             elif st.body is not None:
                 st.body.end()
 
-    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
-        st = self.streams.get(ev.stream_id)
-        if st is not None:
-            if st.splice is not None:
-                st.splice.ended(st, list(ev.headers))
-            elif st.body is not None:
-                st.body.end(list(ev.headers))
-
-    def _on_reset(self, ev: h2.events.StreamReset) -> None:
-        st = self.streams.get(ev.stream_id)
-        if st is not None:
-            self.fail_stream(st, StreamReset(f"client reset the stream ({ev.error_code!r})"))
-
-    def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
-        self.wake_all_windows()
-
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
         # The client will open no more streams; finish the ones it has.
         if not self.survive_goaway(ev):
@@ -259,14 +247,7 @@ class H2ServerConnection(H2Driver):
                 if error is not None:
                     response = error_response(error.status)
                 else:
-                    try:
-                        response = await self.handler(request)
-                    except BlocksError as exc:
-                        log.debug("%s %s -> %d: %s", request.method, request.path, exc.status, exc)
-                        response = error_response(exc.status)
-                    except Exception:
-                        log.exception("handler failed for %r %r", request.method, request.path)
-                        response = error_response(500)
+                    response = await respond(self.handler, request)
                 if request.method == b"HEAD" and not response.body.ended:
                     await _abandon(response.body)
                     response.body = empty_body()

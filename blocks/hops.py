@@ -1,8 +1,9 @@
 """The three hops of the chain: edge, proxy and worker.
 
-Each hop is a handler (``async def handle(request) -> Response``) around a
-shared :class:`~blocks.multiplexer.Upstreams`, and a ``serve_*`` function
-that runs it on a listener::
+Each hop is a :class:`Hop`: a synchronous ``decide(request) -> Forward``
+around a shared :class:`~blocks.multiplexer.Upstreams`, carried out by the
+hop's fast path (``relay``) or handler (``handle``), and a ``serve_*``
+function that runs it on a listener::
 
     client --h1/h2/TLS--> Edge --h2--> Proxy --h2--> Worker --h2|h1--> replica
 
@@ -34,11 +35,11 @@ import trio
 
 from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
-from blocks.errors import NoRoute
+from blocks.errors import BlocksError, NoRoute
 from blocks.http import HOP_BY_HOP, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import Address, LeastInFlight, Policy, Replica, RouteTable
+from blocks.routing import Address, LeastInFlight, Policy, RouteTable
 from blocks.timing import Timing, add_server_timing
 
 INTERNAL_PREFIX = b"x-proxyblocks-"
@@ -53,20 +54,119 @@ def _timing(request: Request) -> Timing:
     return timing
 
 
-def _timed_head(
-    timing: Timing, hop: str, start: float, *, upstream_name: str | None = None, total: bool = False
-) -> HeadFilter:
-    """The response-head rewrite every hop applies: its Server-Timing entries.
+class Forward:
+    """Where one request goes next, as a hop's :meth:`Hop.decide` says.
 
-    ``start`` is when the hop began waiting for its upstream; the wait ends
-    when the head arrives, which is when this runs.
+    ``on_close`` runs exactly once when the exchange ends, however it ends
+    (release an in-flight count, a slot).
     """
 
-    def head(status: int, headers: Headers) -> Headers:
-        timing.upstream = perf_counter() - start
-        return add_server_timing(headers, timing.entries(hop, upstream_name=upstream_name, total=total))
+    __slots__ = ("address", "headers", "on_close", "protocol")
 
-    return head
+    def __init__(
+        self,
+        address: Address,
+        headers: Headers,
+        *,
+        protocol: str = "h2",
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.headers = headers
+        self.protocol = protocol
+        self.on_close = on_close
+
+
+class Hop:
+    """A forwarding hop: :meth:`decide` picks the upstream, the rest is shared.
+
+    A subclass implements ``decide(request) -> Forward`` (synchronous: read
+    memory, never the network; raise a :class:`~blocks.errors.BlocksError`
+    to answer with its status). The hop then offers its listener two ways to
+    carry the request out:
+
+    - :meth:`relay`, the fast path for HTTP/2: when the pool has a free
+      stream slot to the chosen upstream right now, the stream is spliced
+      there and every frame relayed by the connections' readers;
+    - :meth:`handle`, the general path (h1, TLS or not, a pool that must
+      first open a connection): a task awaits the upstream's response.
+
+    Either way the decision is made once (a declined fast path leaves it in
+    ``request.decision``) and the response head gets this hop's
+    Server-Timing entries: ``name`` for the hop's own time, ``upstream_name``
+    (if set) for the wait on the upstream, and ``total`` at the outermost hop.
+    """
+
+    upstream_name: str | None = None
+    total: bool = False
+
+    def __init__(self, name: str, upstreams: Upstreams) -> None:
+        self.name = name
+        self.upstreams = upstreams
+
+    def decide(self, request: Request) -> Forward:
+        raise NotImplementedError
+
+    def _head(self, request: Request) -> HeadFilter:
+        timing = _timing(request)
+        start = perf_counter()
+        name, upstream_name, total = self.name, self.upstream_name, self.total
+
+        def head(status: int, headers: Headers) -> Headers:
+            timing.upstream = perf_counter() - start
+            return add_server_timing(headers, timing.entries(name, upstream_name=upstream_name, total=total))
+
+        return head
+
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        """The listener's fast path (see :func:`blocks.serve_http`): True if spliced."""
+        try:
+            forward = self.decide(request)
+        except BlocksError as exc:
+            request.decision = exc
+            return False
+        if forward.protocol == "h2" and self.upstreams.splice(
+            forward.address,
+            request,
+            forward.headers,
+            down,
+            st,
+            request_ended=ended,
+            head_filter=self._head(request),
+            on_close=forward.on_close,
+        ):
+            return True
+        request.decision = forward
+        return False
+
+    async def handle(self, request: Request) -> Response:
+        decision = request.decision
+        if decision is None:
+            forward = self.decide(request)
+        elif isinstance(decision, BlocksError):
+            raise decision
+        else:
+            forward = decision
+        head = self._head(request)
+        try:
+            response = await self.upstreams.request(
+                forward.address, request, forward.headers, protocol=forward.protocol
+            )
+        except BaseException:
+            if forward.on_close is not None:
+                forward.on_close()
+            raise
+        if forward.on_close is not None:
+            response.call_on_close(forward.on_close)
+        response.headers = head(response.status, response.headers)
+        return response
+
+
+def _decrement(counts: dict[str, int], key: str) -> Callable[[], None]:
+    def done() -> None:
+        counts[key] -= 1
+
+    return done
 
 
 # -- edge ------------------------------------------------------------------------------
@@ -82,10 +182,14 @@ class EdgeConfig:
     trust_forwarded: bool = False
 
 
-class Edge:
+class Edge(Hop):
+    """Faces the clients; everything goes to the proxy."""
+
+    total = True
+
     def __init__(self, config: EdgeConfig, upstreams: Upstreams) -> None:
+        super().__init__(config.name, upstreams)
         self.config = config
-        self.upstreams = upstreams
         self._via = config.name.encode()
 
     def upstream_headers(self, request: Request) -> Headers:
@@ -122,21 +226,8 @@ class Edge:
         headers.append((b"via", request.http_version.encode() + b" " + self._via))
         return headers
 
-    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        """Fast path for h2 clients: splice the stream to the proxy."""
-        headers = self.upstream_headers(request)
-        head = _timed_head(_timing(request), self.config.name, perf_counter(), total=True)
-        if self.upstreams.splice(self.config.proxy, request, headers, down, st, request_ended=ended, head_filter=head):
-            return True
-        request.decision = headers
-        return False
-
-    async def handle(self, request: Request) -> Response:
-        headers = request.decision or self.upstream_headers(request)
-        head = _timed_head(_timing(request), self.config.name, perf_counter(), total=True)
-        response = await self.upstreams.request(self.config.proxy, request, headers)
-        response.headers = head(response.status, response.headers)
-        return response
+    def decide(self, request: Request) -> Forward:
+        return Forward(self.config.proxy, self.upstream_headers(request))
 
 
 # -- proxy ------------------------------------------------------------------------------
@@ -153,7 +244,7 @@ class ProxyStatistics:
     no_route: int
 
 
-class Proxy:
+class Proxy(Hop):
     """Routes by authority from an in-memory :class:`RouteTable`; never awaits for a decision."""
 
     def __init__(
@@ -164,10 +255,10 @@ class Proxy:
         policy: Policy | None = None,
         config: ProxyConfig | None = None,
     ) -> None:
-        self.routes = routes
-        self.upstreams = upstreams
-        self.policy: Policy = policy or LeastInFlight()
         self.config = config or ProxyConfig()
+        super().__init__(self.config.name, upstreams)
+        self.routes = routes
+        self.policy: Policy = policy or LeastInFlight()
         self.in_flight: dict[str, int] = {}
         self._no_route = 0
         self._via = (b"via", b"2 " + self.config.name.encode())
@@ -176,7 +267,7 @@ class Proxy:
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(dict(self.in_flight), self._no_route)
 
-    def _route(self, request: Request) -> tuple[Replica, Headers]:
+    def decide(self, request: Request) -> Forward:
         """Pick the replica (in memory, never awaits); count it in flight."""
         timing = _timing(request)
         start = perf_counter()
@@ -190,56 +281,10 @@ class Proxy:
             )
         replica = self.policy.pick(candidates, self.in_flight)
         timing.phase(self._phase, perf_counter() - start)
-        self.in_flight[replica.name] = self.in_flight.get(replica.name, 0) + 1
-        return replica, [*request.headers, self._via, (REPLICA_HEADER, replica.name.encode())]
-
-    def _done(self, name: str) -> Callable[[], None]:
-        in_flight = self.in_flight
-
-        def done() -> None:
-            in_flight[name] -= 1
-
-        return done
-
-    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        try:
-            replica, headers = self._route(request)
-        except NoRoute as exc:
-            request.decision = exc
-            return False
-        head = _timed_head(_timing(request), self.config.name, perf_counter())
-        if self.upstreams.splice(
-            replica.worker,
-            request,
-            headers,
-            down,
-            st,
-            request_ended=ended,
-            head_filter=head,
-            on_close=self._done(replica.name),
-        ):
-            return True
-        request.decision = (replica, headers)
-        return False
-
-    async def handle(self, request: Request) -> Response:
-        decision = request.decision
-        if decision is None:
-            replica, headers = self._route(request)
-        elif isinstance(decision, NoRoute):
-            raise decision
-        else:
-            replica, headers = decision
-        done = self._done(replica.name)
-        head = _timed_head(_timing(request), self.config.name, perf_counter())
-        try:
-            response = await self.upstreams.request(replica.worker, request, headers)
-        except BaseException:
-            done()
-            raise
-        response.call_on_close(done)
-        response.headers = head(response.status, response.headers)
-        return response
+        name = replica.name
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
+        headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
+        return Forward(replica.worker, headers, on_close=_decrement(self.in_flight, name))
 
 
 # -- worker -----------------------------------------------------------------------------
@@ -259,13 +304,14 @@ class WorkerStatistics:
     served: dict[str, int]
 
 
-class Worker:
+class Worker(Hop):
     """Relays each stream to the replica the proxy named, counting in-flight per replica."""
 
+    upstream_name = "app"
+
     def __init__(self, replicas: Mapping[str, LocalReplica], upstreams: Upstreams, *, name: str = "worker") -> None:
+        super().__init__(name, upstreams)
         self.replicas = {key.encode(): value for key, value in replicas.items()}
-        self.upstreams = upstreams
-        self.name = name
         self.in_flight: dict[str, int] = dict.fromkeys(replicas, 0)
         self.served: dict[str, int] = dict.fromkeys(replicas, 0)
         self._via = (b"via", b"2 " + name.encode())
@@ -273,7 +319,7 @@ class Worker:
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(dict(self.in_flight), dict(self.served))
 
-    def _target(self, request: Request) -> tuple[str, LocalReplica, Headers]:
+    def decide(self, request: Request) -> Forward:
         """The replica the proxy named, and the fields to send it; counts it in flight."""
         headers = request.headers
         if headers and headers[-1][0] == REPLICA_HEADER:  # where the proxy puts it
@@ -292,56 +338,7 @@ class Worker:
         name = key.decode()
         self.in_flight[name] += 1
         self.served[name] += 1
-        return name, target, headers
-
-    def _done(self, name: str) -> Callable[[], None]:
-        in_flight = self.in_flight
-
-        def done() -> None:
-            in_flight[name] -= 1
-
-        return done
-
-    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        try:
-            name, target, headers = self._target(request)
-        except NoRoute as exc:
-            request.decision = exc
-            return False
-        if target.protocol == "h2":
-            head = _timed_head(_timing(request), self.name, perf_counter(), upstream_name="app")
-            if self.upstreams.splice(
-                target.address,
-                request,
-                headers,
-                down,
-                st,
-                request_ended=ended,
-                head_filter=head,
-                on_close=self._done(name),
-            ):
-                return True
-        request.decision = (name, target, headers)
-        return False
-
-    async def handle(self, request: Request) -> Response:
-        decision = request.decision
-        if decision is None:
-            name, target, headers = self._target(request)
-        elif isinstance(decision, NoRoute):
-            raise decision
-        else:
-            name, target, headers = decision
-        done = self._done(name)
-        head = _timed_head(_timing(request), self.name, perf_counter(), upstream_name="app")
-        try:
-            response = await self.upstreams.request(target.address, request, headers, protocol=target.protocol)
-        except BaseException:
-            done()
-            raise
-        response.call_on_close(done)
-        response.headers = head(response.status, response.headers)
-        return response
+        return Forward(target.address, headers, protocol=target.protocol, on_close=_decrement(self.in_flight, name))
 
 
 # -- serving ----------------------------------------------------------------------------

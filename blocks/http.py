@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import collections
 import http
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from blocks._sync import Signal
-from blocks.errors import StreamReset
+from blocks.errors import BlocksError, StreamReset
 
 if TYPE_CHECKING:
     from blocks.timing import Timing
+
+log = logging.getLogger("blocks.listener")
 
 Headers = list[tuple[bytes, bytes]]
 """Lowercase header names and their values, in wire order."""
@@ -278,6 +281,23 @@ class Response:
             if key == name:
                 return value
         return default
+
+
+async def respond(handler: Handler, request: Request) -> Response:
+    """``await handler(request)``, with every failure turned into an error response.
+
+    A :class:`~blocks.errors.BlocksError` becomes its status; anything else is
+    logged and becomes a 500. Cancellation passes through. This is how every
+    listener calls its handler: no traceback ever reaches the wire.
+    """
+    try:
+        return await handler(request)
+    except BlocksError as exc:
+        log.debug("%r %r -> %d: %s", request.method, request.path, exc.status, exc)
+        return error_response(exc.status)
+    except Exception:
+        log.exception("handler failed for %r %r", request.method, request.path)
+        return error_response(500)
 
 
 def error_response(status: int) -> Response:

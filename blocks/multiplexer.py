@@ -37,6 +37,7 @@ import h2.exceptions
 import h11
 import trio
 
+from blocks._h1 import H1Body, H1Stream
 from blocks._h2 import H2Driver, H2Stream, flush_marked, make_h2
 from blocks._splice import HeadFilter, Splice
 from blocks._sync import Signal
@@ -86,6 +87,8 @@ class PoolStatistics:
 class H2ClientConnection(H2Driver):
     """One pooled h2 connection to an upstream."""
 
+    peer = "upstream"
+
     def __init__(self, stream: trio.abc.Stream, pool: _H2Pool) -> None:
         config = pool.config
         conn = make_h2(
@@ -104,10 +107,10 @@ class H2ClientConnection(H2Driver):
             h2.events.ResponseReceived: self._on_response,
             h2.events.DataReceived: self.on_data,
             h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.TrailersReceived: self._on_trailers,
-            h2.events.StreamReset: self._on_reset,
+            h2.events.TrailersReceived: self.on_trailers,
+            h2.events.StreamReset: self.on_reset,
             h2.events.WindowUpdated: self.on_window_updated,
-            h2.events.RemoteSettingsChanged: self._on_settings,
+            h2.events.RemoteSettingsChanged: self.on_settings,
             h2.events.ConnectionTerminated: self._on_terminated,
         }
 
@@ -310,22 +313,9 @@ class H2ClientConnection(H2Driver):
         if st.local_ended:
             self.finish_stream(st)
 
-    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
-        st = self.streams.get(ev.stream_id)
-        if st is not None:
-            if st.splice is not None:
-                st.splice.ended(st, list(ev.headers))
-            elif st.body is not None:
-                st.body.end(list(ev.headers))
-
-    def _on_reset(self, ev: h2.events.StreamReset) -> None:
-        st = self.streams.get(ev.stream_id)
-        if st is not None:
-            self.fail_stream(st, StreamReset(f"upstream reset the stream ({ev.error_code!r})"))
-
-    def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+    def on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
         self._ready.set()
-        self.wake_all_windows()
+        super().on_settings(ev)
         self.pool.slot_freed()
 
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
@@ -466,60 +456,38 @@ class _H2Pool:
 # -- HTTP/1.1 ---------------------------------------------------------------------------
 
 
-class _H1Connection:
+class _H1Connection(H1Stream):
+    __slots__ = ("pumping", "tcp")
+
     def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT)
+        super().__init__(stream, h11.Connection(h11.CLIENT))
+        self.tcp = stream
         self.pumping = False
 
-    async def next_event(self) -> Any:
-        conn = self.h11
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            conn.receive_data(await self.stream.receive_some(65536))
-
-
-class H1ResponseBody(Body):
-    """A response body read from a pooled h1 connection, which it returns when done."""
-
-    __slots__ = ("_conn", "_done", "_pool")
-
-    def __init__(self, conn: _H1Connection, pool: _H1Pool, length: int | None) -> None:
-        super().__init__(length)
-        self._conn = conn
-        self._pool = pool
-        self._done = False
+    def close(self) -> None:
+        self.tcp.socket.close()
 
     @property
-    def ended(self) -> bool:
-        return self._done
+    def h11(self) -> h11.Connection:
+        return self.conn
 
-    async def receive(self) -> bytes:
-        if self._done:
-            return b""
-        try:
-            event = await self._conn.next_event()
-        except (h11.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._finish(reuse=False)
-            raise StreamReset(f"upstream broke the response body: {exc}") from exc
-        if type(event) is h11.Data:
-            return bytes(event.data)
-        if type(event) is h11.EndOfMessage:
-            self.trailers = list(event.headers) or None
-            self._finish(reuse=True)
-            return b""
-        self._finish(reuse=False)
-        raise StreamReset("upstream closed the connection mid-body")
 
-    def _finish(self, reuse: bool) -> None:
+class H1ResponseBody(H1Body):
+    """A response body read from a pooled h1 connection, which it returns when done."""
+
+    __slots__ = ("_conn", "_pool")
+
+    peer = "upstream"
+
+    def __init__(self, conn: _H1Connection, pool: _H1Pool, length: int | None) -> None:
+        super().__init__(conn, length)
+        self._conn = conn
+        self._pool = pool
+
+    def finished(self, complete: bool) -> None:
         if not self._done:
-            self._done = True
-            self._pool.release(self._conn, reuse)
-
-    async def aclose(self) -> None:
-        self._finish(reuse=False)
+            super().finished(complete)
+            self._pool.release(self._conn, complete)
 
 
 class _H1Pool:
@@ -546,11 +514,11 @@ class _H1Pool:
             h.start_next_cycle()
             self.idle.append(conn)
         else:
-            conn.stream.socket.close()  # synchronous: nothing to flush on a connection we drop
+            conn.close()  # synchronous: nothing to flush on a connection we drop
 
     def close_idle(self) -> None:
         for conn in self.idle:
-            conn.stream.socket.close()
+            conn.close()
         self.idle.clear()
 
     async def _connect(self) -> _H1Connection:
