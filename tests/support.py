@@ -25,6 +25,7 @@ from blocks import (
     EdgeConfig,
     HTTPServer,
     LocalReplica,
+    Policy,
     Proxy,
     Replica,
     RouteTable,
@@ -290,3 +291,67 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
         while chunk := await stream.receive_some(65536):
             received += chunk
     return bytes(received)
+
+
+# -- regression helpers --------------------------------------------------------------------
+
+
+@attrs.define
+class RelayLog:
+    """What a hop's fast path did, in order: True for a spliced stream, False for a declined one."""
+
+    outcomes: list[bool] = attrs.field(factory=list)
+
+    @property
+    def spliced(self) -> int:
+        return sum(self.outcomes)
+
+    @property
+    def declined(self) -> int:
+        return len(self.outcomes) - self.spliced
+
+
+def record_relays(server: HTTPServer) -> RelayLog:
+    """Record every decision of ``server``'s fast path (``relay``).
+
+    A connection takes the server's relay when it is accepted, so call this
+    before the first connection that matters reaches ``server``.
+    """
+    relay = server.relay
+    assert relay is not None, "this server has no fast path"
+    log = RelayLog()
+
+    def recording(request: Any, driver: Any, st: Any, ended: bool) -> bool:
+        spliced = relay(request, driver, st, ended)
+        log.outcomes.append(spliced)
+        return spliced
+
+    server.relay = recording
+    return log
+
+
+async def assemble_local(
+    nursery: trio.Nursery,
+    local: Mapping[str, LocalReplica],
+    *,
+    worker_upstream: UpstreamConfig | None = None,
+    proxy_upstream: UpstreamConfig | None = None,
+    policy: Policy | None = None,
+) -> Assembled:
+    """edge -> proxy -> one worker -> the given replicas (any server, already running), all under ``*``."""
+    worker_server, worker = await nursery.start(functools.partial(serve_worker, local, upstream=worker_upstream))
+    worker_address = (HOST, worker_server.port)
+    table = RouteTable.build(
+        {"*": "app"},
+        {
+            "app": [
+                Replica(name=name, worker=worker_address, address=replica.address, protocol=replica.protocol)
+                for name, replica in local.items()
+            ]
+        },
+    )
+    proxy_server, proxy = await nursery.start(
+        functools.partial(serve_proxy, table, policy=policy, upstream=proxy_upstream)
+    )
+    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
+    return Assembled(edge, proxy_server, proxy, worker_server, worker, {})
