@@ -10,6 +10,17 @@ from blocks.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from blocks.fair_queue import (
+    FairQueue,
+    Grant,
+    QueueFull,
+    QueueTimeout,
+    SchedulerConfig,
+    SchedulerStatistics,
+    TenantPolicy,
+    TenantStatistics,
+    Ticket,
+)
 from blocks.hops import (
     INTERNAL_LISTENER,
     Edge,
@@ -39,6 +50,7 @@ from blocks.http import (
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 from blocks.routing import Address, LeastInFlight, Policy, Replica, RouteTable
+from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
 from blocks.timing import Timing, add_server_timing, parse_server_timing
 from blocks.tls import make_self_signed, server_context
 
@@ -76,6 +88,20 @@ __all__ = [
     "Policy",
     "Replica",
     "RouteTable",
+    # fair scheduler
+    "FairQueue",
+    "Grant",
+    "QueueFull",
+    "QueueTimeout",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStatistics",
+    "TenantKey",
+    "TenantPolicy",
+    "TenantStatistics",
+    "Ticket",
+    "header_tenant",
+    "open_scheduler",
     # hops
     "INTERNAL_LISTENER",
     "Edge",

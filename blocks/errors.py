@@ -14,11 +14,13 @@ class BlocksError(Exception):
     """Root of proxyblocks' errors.
 
     ``status`` is the HTTP status a listener answers with when this error
-    escapes a handler before the response has started. The message is for
+    escapes a handler before the response has started, with ``headers``
+    added to that response (a 429's ``retry-after``). The message is for
     logs and statistics; it is never written on the wire.
     """
 
     status: int = 500
+    headers: list[tuple[bytes, bytes]] = []  # noqa: RUF012  (read-only default; subclasses set their own)
 
     def __init__(self, message: str = "", *, status: int | None = None) -> None:
         super().__init__(message)

@@ -25,6 +25,7 @@ Each hop appends its entries to the response's ``server-timing`` header
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ssl
 from collections.abc import Callable, Mapping
@@ -36,10 +37,12 @@ import trio
 from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
 from blocks.errors import BlocksError, NoRoute
+from blocks.fair_queue import Grant, SchedulerConfig
 from blocks.http import HOP_BY_HOP, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 from blocks.routing import Address, LeastInFlight, Policy, RouteTable
+from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
 from blocks.timing import Timing, add_server_timing
 
 INTERNAL_PREFIX = b"x-proxyblocks-"
@@ -91,6 +94,11 @@ class Hop:
     - :meth:`handle`, the general path (h1, TLS or not, a pool that must
       first open a connection): a task awaits the upstream's response.
 
+    With a :class:`~blocks.scheduler.Scheduler`, a request is admitted
+    before it is decided: the fast path takes a slot only if one is free
+    now, otherwise the handler waits its turn (or gets the scheduler's 429 or
+    503), and the slot is released with the exchange, on every path.
+
     Either way the decision is made once (a declined fast path leaves it in
     ``request.decision``) and the response head gets this hop's
     Server-Timing entries: ``name`` for the hop's own time, ``upstream_name``
@@ -100,9 +108,18 @@ class Hop:
     upstream_name: str | None = None
     total: bool = False
 
-    def __init__(self, name: str, upstreams: Upstreams) -> None:
+    def __init__(
+        self,
+        name: str,
+        upstreams: Upstreams,
+        *,
+        scheduler: Scheduler | None = None,
+        tenant_key: TenantKey | None = None,
+    ) -> None:
         self.name = name
         self.upstreams = upstreams
+        self.scheduler = scheduler
+        self.tenant_key = tenant_key or header_tenant()
 
     def decide(self, request: Request) -> Forward:
         raise NotImplementedError
@@ -118,10 +135,28 @@ class Hop:
 
         return head
 
-    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        """The listener's fast path (see :func:`blocks.serve_http`): True if spliced."""
+    def _admitted(self, request: Request, grant: Grant | None) -> Forward:
+        """Decide, once admitted; the grant (if any) is released with the exchange."""
+        scheduler = self.scheduler
         try:
             forward = self.decide(request)
+        except BaseException:
+            if grant is not None and scheduler is not None:
+                scheduler.release(grant)
+            raise
+        if grant is not None and scheduler is not None:
+            forward.on_close = _then_release(forward.on_close, scheduler, grant)
+        return forward
+
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        """The listener's fast path (see :func:`blocks.serve_http`): True if spliced."""
+        grant = None
+        if self.scheduler is not None:
+            grant = self.scheduler.try_acquire(self.tenant_key(request))
+            if grant is None:
+                return False  # not its turn: the handler waits in the scheduler's queue
+        try:
+            forward = self._admitted(request, grant)
         except BlocksError as exc:
             request.decision = exc
             return False
@@ -141,10 +176,13 @@ class Hop:
 
     async def handle(self, request: Request) -> Response:
         decision = request.decision
-        if decision is None:
-            forward = self.decide(request)
-        elif isinstance(decision, BlocksError):
+        if isinstance(decision, BlocksError):
             raise decision
+        if decision is None:
+            grant = None
+            if self.scheduler is not None:
+                grant = await self.scheduler.acquire(self.tenant_key(request))  # or 429 / 503
+            forward = self._admitted(request, grant)
         else:
             forward = decision
         head = self._head(request)
@@ -160,6 +198,15 @@ class Hop:
             response.call_on_close(forward.on_close)
         response.headers = head(response.status, response.headers)
         return response
+
+
+def _then_release(on_close: Callable[[], None] | None, scheduler: Scheduler, grant: Grant) -> Callable[[], None]:
+    def done() -> None:
+        if on_close is not None:
+            on_close()
+        scheduler.release(grant)
+
+    return done
 
 
 def _decrement(counts: dict[str, int], key: str) -> Callable[[], None]:
@@ -254,9 +301,11 @@ class Proxy(Hop):
         *,
         policy: Policy | None = None,
         config: ProxyConfig | None = None,
+        scheduler: Scheduler | None = None,
+        tenant_key: TenantKey | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
-        super().__init__(self.config.name, upstreams)
+        super().__init__(self.config.name, upstreams, scheduler=scheduler, tenant_key=tenant_key)
         self.routes = routes
         self.policy: Policy = policy or LeastInFlight()
         self.in_flight: dict[str, int] = {}
@@ -383,13 +432,23 @@ async def serve_proxy(
     port: int = 0,
     policy: Policy | None = None,
     config: ProxyConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
+    tenant_key: TenantKey | None = None,
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a :class:`Proxy`; ``task_status`` gets ``(server, proxy)``."""
-    async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
-        proxy = Proxy(routes, upstreams, policy=policy, config=config)
+    """Run a :class:`Proxy`; ``task_status`` gets ``(server, proxy)``.
+
+    With ``scheduler``, requests are admitted to the proxy's upstream slots
+    through a fair :class:`~blocks.scheduler.Scheduler` (tenant from
+    ``tenant_key``, the ``x-tenant`` header by default).
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        upstreams = await stack.enter_async_context(open_upstreams(upstream))
+        fair = await stack.enter_async_context(open_scheduler(scheduler)) if scheduler is not None else None
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        proxy = Proxy(routes, upstreams, policy=policy, config=config, scheduler=fair, tenant_key=tenant_key)
         serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay)
         server = await nursery.start(serve)
         task_status.started((server, proxy))

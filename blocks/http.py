@@ -294,19 +294,19 @@ async def respond(handler: Handler, request: Request) -> Response:
         return await handler(request)
     except BlocksError as exc:
         log.debug("%r %r -> %d: %s", request.method, request.path, exc.status, exc)
-        return error_response(exc.status)
+        return error_response(exc.status, exc.headers)
     except Exception:
         log.exception("handler failed for %r %r", request.method, request.path)
         return error_response(500)
 
 
-def error_response(status: int) -> Response:
+def error_response(status: int, headers: Headers | None = None) -> Response:
     """The body-and-head every hop answers an error with: the status and its phrase."""
     try:
         phrase = http.HTTPStatus(status).phrase
     except ValueError:
         phrase = "Error"
-    return text_response(status, f"{status} {phrase}\n")
+    return text_response(status, f"{status} {phrase}\n", headers)
 
 
 def text_response(status: int, text: str, headers: Headers | None = None) -> Response:

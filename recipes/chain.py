@@ -13,6 +13,7 @@ Poke it (any authority routes to the demo app):
     curl -N 'http://127.0.0.1:PORT/stream?n=5&ms=300'      # a token stream
     curl --http2-prior-knowledge -T big.file http://127.0.0.1:PORT/echo
     curl --cacert CERT https://localhost:PORT/              # with --tls: h2 over ALPN
+    curl -H 'x-tenant: alice' http://127.0.0.1:PORT/       # the fair scheduler's tenant
 
 Ctrl-C (or SIGTERM) drains: the edge stops accepting, h2 clients get GOAWAY,
 requests in flight finish within --grace seconds, and the process exits 0.
@@ -36,6 +37,8 @@ from blocks import (
     Proxy,
     Replica,
     RouteTable,
+    SchedulerConfig,
+    TenantPolicy,
     UpstreamConfig,
     Worker,
     make_self_signed,
@@ -47,6 +50,13 @@ from blocks import (
 )
 
 HOST = "127.0.0.1"
+
+FAIR = SchedulerConfig(
+    budget=256,
+    default_policy=TenantPolicy(max_in_flight=128, max_queued=512, queue_timeout=5.0),
+)
+"""The chain's fair scheduler: 256 proxy -> worker slots, at most half to one
+tenant (the ``x-tenant`` header), up to 512 waiting per tenant for 5 s."""
 
 
 @attrs.define(eq=False)
@@ -83,6 +93,7 @@ async def main(
     replica_protocol: str = "h2",
     replica_timeout: float = 30.0,
     cert_dir: Path | None = None,
+    scheduler: SchedulerConfig | None = FAIR,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start the chain; report a :class:`Chain` once the edge takes traffic; run until shut down."""
@@ -111,7 +122,9 @@ async def main(
         )
         # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
         inner = UpstreamConfig(response_timeout=replica_timeout + 5)
-        proxy_server, proxy = await nursery.start(functools.partial(serve_proxy, routes, upstream=inner))
+        proxy_server, proxy = await nursery.start(
+            functools.partial(serve_proxy, routes, upstream=inner, scheduler=scheduler)
+        )
         cert = None
         context = None
         if tls:
@@ -144,6 +157,7 @@ async def _run(args: argparse.Namespace) -> None:
                     tls=args.tls,
                     replica_protocol=args.replica_protocol,
                     replica_timeout=args.replica_timeout,
+                    scheduler=None if args.no_scheduler else FAIR,
                 )
             )
             async for _ in signals:
@@ -160,6 +174,9 @@ def run() -> None:
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a generated self-signed certificate")
     parser.add_argument("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> replica protocol")
     parser.add_argument("--replica-timeout", type=float, default=30.0, help="seconds before a silent replica is a 504")
+    parser.add_argument(
+        "--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler"
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get on shutdown")
     trio.run(_run, parser.parse_args())
 

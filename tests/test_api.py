@@ -11,7 +11,7 @@ from pathlib import Path
 import blocks
 
 BLOCKS = Path(blocks.__file__).resolve().parent
-SANS_IO = ["routing"]
+SANS_IO = ["routing", "fair_queue"]
 
 
 def test_every_exported_name_exists() -> None:

@@ -1,0 +1,193 @@
+"""Noisy neighbour: one tenant floods the chain, another stays fast.
+
+Run it:
+
+    python -m recipes.noisy_neighbour                 # 15 s, fair scheduler on
+    python -m recipes.noisy_neighbour --no-scheduler  # the same flood, no scheduler
+    python -m recipes.noisy_neighbour --seconds 30 --flood 256
+
+It starts the full chain with a small fair-scheduler budget (so the effect is
+easy to see on a laptop), then, through the edge over h2:
+
+- tenant ``noisy`` keeps ``--flood`` requests in flight, as fast as it can;
+- tenant ``quiet`` sends ``--rate`` requests per second;
+
+both to ``/sleep?ms=20`` (a replica that takes 20 ms). Every second it
+prints each tenant's requests, statuses and latency p50/p99. With the
+scheduler, ``noisy`` is held to its share (its excess is queued, then
+refused with 429 or 503) and ``quiet`` keeps its solo latency; without it,
+``noisy`` takes what it wants. Poke the running chain yourself with
+``curl -H 'x-tenant: NAME' http://127.0.0.1:PORT/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import math
+from collections.abc import Callable
+from time import perf_counter
+
+import attrs
+import trio
+import trio.lowlevel
+
+from blocks import (
+    BlocksError,
+    Request,
+    SchedulerConfig,
+    TenantPolicy,
+    Upstreams,
+    open_upstreams,
+)
+from recipes.chain import HOST, Chain
+from recipes.chain import main as chain_main
+
+SCHEDULER = SchedulerConfig(
+    budget=32,
+    default_policy=TenantPolicy(max_in_flight=24, max_queued=64, queue_timeout=0.5, retry_after=1.0),
+)
+"""32 proxy -> worker slots, at most 24 to one tenant; 64 may wait 0.5 s."""
+
+PATH = b"/sleep?ms=20"
+
+
+@attrs.define(eq=False)
+class TenantLoad:
+    """What one tenant saw: a status per request (0: no response at all) and latencies of the 200s."""
+
+    name: str
+    statuses: collections.Counter[int] = attrs.field(factory=collections.Counter)
+    latencies: list[float] = attrs.field(factory=list)
+
+    def record(self, status: int, seconds: float) -> None:
+        self.statuses[status] += 1
+        if status == 200:
+            self.latencies.append(seconds)
+
+    def percentile(self, fraction: float) -> float:
+        """Latency of the 200s at ``fraction`` (nearest rank), in seconds; NaN if none."""
+        if not self.latencies:
+            return math.nan
+        ordered = sorted(self.latencies)
+        return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+    def line(self) -> str:
+        statuses = " ".join(f"{code}:{n}" for code, n in sorted(self.statuses.items()))
+        return (
+            f"{self.name:>6}  {sum(self.statuses.values()):6d} requests  [{statuses}]  "
+            f"p50 {self.percentile(0.5) * 1000:7.1f} ms  p99 {self.percentile(0.99) * 1000:7.1f} ms"
+        )
+
+
+async def one_request(upstreams: Upstreams, edge: tuple[str, int], tenant: TenantLoad, path: bytes) -> None:
+    start = perf_counter()
+    try:
+        response = await upstreams.request(
+            edge, Request(b"GET", b"http", b"demo.local", path), [(b"x-tenant", tenant.name.encode())]
+        )
+        await response.body.read_all()
+        status = response.status
+    except BlocksError:
+        status = 0  # counted: the request got no response
+    tenant.record(status, perf_counter() - start)
+
+
+async def flood(upstreams: Upstreams, edge: tuple[str, int], tenant: TenantLoad, concurrency: int) -> None:
+    """Keep ``concurrency`` requests in flight, forever."""
+
+    async def loop() -> None:
+        while True:
+            await one_request(upstreams, edge, tenant, PATH)
+            if tenant.statuses[200] == 0:
+                await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(loop)
+
+
+async def steady(upstreams: Upstreams, edge: tuple[str, int], tenant: TenantLoad, rate: float) -> None:
+    """Start one request every ``1/rate`` seconds, however long each takes."""
+    async with trio.open_nursery() as nursery:
+        next_at = trio.current_time()
+        while True:
+            nursery.start_soon(one_request, upstreams, edge, tenant, PATH)
+            next_at += 1 / rate
+            await trio.sleep_until(next_at)
+
+
+async def run_load(
+    edge: tuple[str, int],
+    *,
+    seconds: float,
+    flood_concurrency: int,
+    rate: float,
+    report: Callable[[str], None] | None = print,
+) -> tuple[TenantLoad, TenantLoad]:
+    """Flood as ``noisy`` and pace ``quiet`` against ``edge`` for ``seconds``; return what each saw."""
+    noisy, quiet = TenantLoad("noisy"), TenantLoad("quiet")
+    async with open_upstreams() as upstreams, trio.open_nursery() as nursery:
+        if flood_concurrency:
+            nursery.start_soon(flood, upstreams, edge, noisy, flood_concurrency)
+        nursery.start_soon(steady, upstreams, edge, quiet, rate)
+        end = trio.current_time() + seconds
+        while trio.current_time() < end:
+            await trio.sleep(min(1.0, end - trio.current_time()))
+            if report is not None:
+                report(f"{noisy.line()}\n{quiet.line()}\n")
+        nursery.cancel_scope.cancel()
+    return noisy, quiet
+
+
+async def main(
+    *,
+    seconds: float = 15.0,
+    flood_concurrency: int = 128,
+    rate: float = 10.0,
+    scheduler: SchedulerConfig | None = SCHEDULER,
+    report: Callable[[str], None] | None = print,
+    task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
+) -> tuple[TenantLoad, TenantLoad]:
+    """Start the chain, run the load, shut the chain down; return ``(noisy, quiet)``."""
+    async with trio.open_nursery() as nursery:
+        chain: Chain = await nursery.start(functools.partial(chain_main, scheduler=scheduler))
+        task_status.started(chain)
+        if report is not None:
+            report(f"edge listening on {chain.url}; scheduler {'on' if scheduler else 'off'}\n")
+        result = await run_load(
+            (HOST, chain.edge.port), seconds=seconds, flood_concurrency=flood_concurrency, rate=rate, report=report
+        )
+        if report is not None and scheduler is not None:
+            stats = chain.proxy.scheduler.statistics() if chain.proxy.scheduler else None
+            report(f"scheduler: {stats}\n")
+        await chain.shutdown(1.0)
+    return result
+
+
+def run() -> None:
+    parser = argparse.ArgumentParser(prog="python -m recipes.noisy_neighbour", description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="how long to run")
+    parser.add_argument("--flood", type=int, default=128, help="requests the noisy tenant keeps in flight")
+    parser.add_argument("--rate", type=float, default=10.0, help="requests per second of the quiet tenant")
+    parser.add_argument("--no-scheduler", action="store_true", help="run the same load without the fair scheduler")
+    args = parser.parse_args()
+
+    def report(text: str) -> None:
+        print(text, end="", flush=True)
+
+    trio.run(
+        functools.partial(
+            main,
+            seconds=args.seconds,
+            flood_concurrency=args.flood,
+            rate=args.rate,
+            scheduler=None if args.no_scheduler else SCHEDULER,
+            report=report,
+        )
+    )
+
+
+if __name__ == "__main__":
+    run()
