@@ -45,6 +45,7 @@ from blocks.http import (
     Response,
     StreamBody,
     error_response,
+    respond,
     text_response,
 )
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
@@ -65,6 +66,7 @@ __all__ = [
     "Response",
     "StreamBody",
     "error_response",
+    "respond",
     "text_response",
     # errors
     "BadRequest",
