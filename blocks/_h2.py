@@ -168,6 +168,7 @@ class H2Driver:
     """An ``H2Connection`` on a trio stream, with a coalescing writer."""
 
     peer = "peer"  # who is on the other end, for messages
+    handlers: dict[type[h2.events.Event], Callable[[Any], None]]  # set by each role
 
     def __init__(self, stream: trio.abc.Stream, conn: h2.connection.H2Connection, *, connection_window: int) -> None:
         self.stream = stream
@@ -192,6 +193,18 @@ class H2Driver:
         if data:
             self._out.append(data)
             self._wake.set()
+
+    def dispatch(self, events: list[h2.events.Event]) -> None:
+        """Run each event's handler (``self.handlers``), then flush what the batch touched."""
+        handlers = self.handlers
+        try:
+            for ev in events:
+                handler = handlers.get(type(ev))
+                if handler is not None:
+                    handler(ev)
+        finally:
+            self.mark()
+            flush_marked()
 
     def mark(self) -> None:
         """From a reader: flush this connection when the reader's batch is done."""

@@ -15,15 +15,14 @@ is done.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import h2.errors
 import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, Relay, flush_marked, make_h2
+from blocks._h2 import H2Driver, H2Stream, Relay, make_h2
 from blocks._validate import validate_request_head
 from blocks.errors import BlocksError, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
@@ -73,7 +72,7 @@ class H2ServerConnection(H2Driver):
         self._last_stream_id: int | None = None  # set by the final GOAWAY
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
-        self._dispatch: dict[type[h2.events.Event], Callable[[Any], None]] = {
+        self.handlers = {
             h2.events.RequestReceived: self._on_request,
             h2.events.DataReceived: self.on_data,
             h2.events.StreamEnded: self._on_stream_ended,
@@ -123,13 +122,7 @@ class H2ServerConnection(H2Driver):
             log.debug("h2 protocol error from %s: %s", self.client, exc)
             self.mark_closed()
             return
-        dispatch = self._dispatch
-        for ev in events:
-            handler = dispatch.get(type(ev))
-            if handler is not None:
-                handler(ev)
-        self.mark()
-        flush_marked()
+        self.dispatch(events)
 
     # -- events ----------------------------------------------------------------
 

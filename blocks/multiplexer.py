@@ -38,7 +38,7 @@ import h11
 import trio
 
 from blocks._h1 import H1Body, H1Stream
-from blocks._h2 import H2Driver, H2Stream, flush_marked, make_h2
+from blocks._h2 import H2Driver, H2Stream, make_h2
 from blocks._splice import HeadFilter, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
@@ -103,7 +103,7 @@ class H2ClientConnection(H2Driver):
         self.accepting = True  # false after a GOAWAY or a failure: no new streams
         self._nursery: trio.Nursery | None = None
         self._ready = trio.Event()
-        self._dispatch: dict[type[h2.events.Event], Callable[[Any], None]] = {
+        self.handlers = {
             h2.events.ResponseReceived: self._on_response,
             h2.events.DataReceived: self.on_data,
             h2.events.StreamEnded: self._on_stream_ended,
@@ -162,13 +162,7 @@ class H2ClientConnection(H2Driver):
                 except h2.exceptions.ProtocolError as exc:
                     log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
                     break
-                dispatch = self._dispatch
-                for ev in events:
-                    handler = dispatch.get(type(ev))
-                    if handler is not None:
-                        handler(ev)
-                self.mark()
-                flush_marked()
+                self.dispatch(events)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
