@@ -8,12 +8,14 @@ trailers as events, and request heads that a careful client refuses to send
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qs
 
 import attrs
 import h2.config
@@ -24,17 +26,23 @@ import trio
 from blocks import (
     EdgeConfig,
     HTTPServer,
+    ListenerConfig,
     LocalReplica,
     Policy,
     Proxy,
     Replica,
+    Request,
+    Response,
     RouteTable,
+    SchedulerConfig,
     UpstreamConfig,
     Worker,
     serve_demo_replica,
     serve_edge,
+    serve_http,
     serve_proxy,
     serve_worker,
+    text_response,
 )
 
 HOST = "127.0.0.1"
@@ -355,3 +363,110 @@ async def assemble_local(
     )
     edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
     return Assembled(edge, proxy_server, proxy, worker_server, worker, {})
+
+
+# -- fair scheduler helpers ------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class TenantReplica:
+    """A replica handler that watches tenants (``x-tenant``) arrive.
+
+    - ``/sleep?ms=N``: 200 after N ms;
+    - ``/hold``: 200 once :meth:`release` is called (every hold waiting then);
+    - anything else: 200 at once.
+
+    It records the tenant of every arrival in order, each tenant's requests in
+    flight here and the most it ever had at once, and how many requests were
+    cancelled while in flight (the chain gave up on them).
+    """
+
+    arrivals: list[str] = attrs.field(factory=list)
+    in_flight: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    peak: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    cancelled: int = 0
+    _gate: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def total_in_flight(self) -> int:
+        return sum(self.in_flight.values())
+
+    def release(self) -> None:
+        """Answer every ``/hold`` waiting now."""
+        self._gate.set()
+        self._gate = trio.Event()
+
+    async def __call__(self, request: Request) -> Response:
+        tenant = (request.header(b"x-tenant") or b"").decode("latin-1")
+        path, _, query = request.path.partition(b"?")
+        self.arrivals.append(tenant)
+        self.in_flight[tenant] += 1
+        self.peak[tenant] = max(self.peak[tenant], self.in_flight[tenant])
+        try:
+            if path == b"/sleep":
+                await trio.sleep(int(parse_qs(query.decode())["ms"][0]) / 1000)
+            elif path == b"/hold":
+                await self._gate.wait()
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight[tenant] -= 1
+        return text_response(200, f"{tenant}\n", [(b"x-tenant-seen", tenant.encode())])
+
+
+async def serve_tenant_replica(
+    nursery: trio.Nursery, protocol: str = "h2"
+) -> tuple[TenantReplica, HTTPServer, LocalReplica]:
+    """Start a :class:`TenantReplica` on loopback (h1 and h2c on one port)."""
+    replica = TenantReplica()
+    server: HTTPServer = await nursery.start(functools.partial(serve_http, replica, config=ListenerConfig()))
+    return replica, server, LocalReplica((HOST, server.port), protocol)
+
+
+async def assemble_fair(
+    nursery: trio.Nursery,
+    local: Mapping[str, LocalReplica],
+    *,
+    scheduler: SchedulerConfig | None,
+    domains: Mapping[str, str] | None = None,
+    apps: Mapping[str, Sequence[str]] | None = None,
+    worker_upstream: UpstreamConfig | None = None,
+    proxy_upstream: UpstreamConfig | None = None,
+) -> Assembled:
+    """edge -> proxy (with ``scheduler``) -> one worker -> the given replicas (running or not).
+
+    ``domains`` defaults to ``{"*": "app"}`` and ``apps`` to every replica under ``app``.
+    """
+    worker_server, worker = await nursery.start(functools.partial(serve_worker, local, upstream=worker_upstream))
+    worker_address = (HOST, worker_server.port)
+    if apps is None:
+        apps = {"app": list(local)}
+    table = RouteTable.build(
+        domains if domains is not None else {"*": "app"},
+        {
+            app: [
+                Replica(name=n, worker=worker_address, address=local[n].address, protocol=local[n].protocol)
+                for n in names
+            ]
+            for app, names in apps.items()
+        },
+    )
+    proxy_server, proxy = await nursery.start(
+        functools.partial(serve_proxy, table, scheduler=scheduler, upstream=proxy_upstream)
+    )
+    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
+    return Assembled(edge, proxy_server, proxy, worker_server, worker, {})
+
+
+async def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str] = "", *, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds; fail with ``what`` (or what it returns) if not within ``timeout`` seconds.
+
+    The timeout is a liveness bound (a leak or a hang fails here, with a
+    message), never a speed assertion: keep it far above any normal wait.
+    """
+    with trio.move_on_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+        return
+    raise AssertionError(f"still waiting after {timeout} s: {what() if callable(what) else what or predicate}")
