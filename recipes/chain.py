@@ -94,9 +94,13 @@ async def main(
     replica_timeout: float = 30.0,
     cert_dir: Path | None = None,
     scheduler: SchedulerConfig | None = FAIR,
+    announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the chain; report a :class:`Chain` once the edge takes traffic; run until shut down."""
+    """Start the chain; report a :class:`Chain` once the edge takes traffic; run until shut down.
+
+    With ``announce`` (the default) it prints ``edge listening on URL`` then.
+    """
     if replicas < 1:
         raise ValueError("--replicas must be at least 1")
     async with trio.open_nursery() as nursery:
@@ -140,9 +144,10 @@ async def main(
             )
         )
         chain = Chain(edge, proxy_server, proxy, worker_server, worker, servers, cert, nursery.cancel_scope)
-        print(f"edge listening on {edge.scheme}://{HOST}:{edge.port}", flush=True)
-        if cert is not None:
-            print(f"certificate: {cert}  (curl --cacert {cert} {chain.url}/)", flush=True)
+        if announce:
+            print(f"edge listening on {edge.scheme}://{HOST}:{edge.port}", flush=True)
+            if cert is not None:
+                print(f"certificate: {cert}  (curl --cacert {cert} {chain.url}/)", flush=True)
         task_status.started(chain)
 
 

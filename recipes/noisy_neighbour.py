@@ -152,7 +152,9 @@ async def main(
 ) -> tuple[TenantLoad, TenantLoad]:
     """Start the chain, run the load, shut the chain down; return ``(noisy, quiet)``."""
     async with trio.open_nursery() as nursery:
-        chain: Chain = await nursery.start(functools.partial(chain_main, scheduler=scheduler))
+        chain: Chain = await nursery.start(
+            functools.partial(chain_main, scheduler=scheduler, announce=report is not None)
+        )
         task_status.started(chain)
         if report is not None:
             report(f"edge listening on {chain.url}; scheduler {'on' if scheduler else 'off'}\n")
