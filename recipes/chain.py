@@ -52,11 +52,12 @@ from blocks import (
 HOST = "127.0.0.1"
 
 FAIR = SchedulerConfig(
-    budget=256,
-    default_policy=TenantPolicy(max_in_flight=128, max_queued=512, queue_timeout=5.0),
+    budget=512,
+    default_policy=TenantPolicy(max_in_flight=256, max_queued=512, queue_timeout=5.0),
 )
-"""The chain's fair scheduler: 256 proxy -> worker slots, at most half to one
-tenant (the ``x-tenant`` header), up to 512 waiting per tenant for 5 s."""
+"""The chain's fair scheduler: the proxy -> worker pool's 512 stream slots
+(8 connections x 64), at most half to one tenant (the ``x-tenant`` header),
+up to 512 waiting per tenant for 5 s."""
 
 
 @attrs.define(eq=False)
