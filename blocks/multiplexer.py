@@ -183,7 +183,6 @@ class H2ClientConnection(H2Driver):
         conn.send_headers(sid, head, end_stream=end)
         st = H2Stream(sid)
         self.streams[sid] = st
-        self.kick()
         return st
 
     def open_spliced(
@@ -199,6 +198,7 @@ class H2ClientConnection(H2Driver):
     ) -> H2Stream:
         """Send the request head and join the new stream to ``down_st``. Never blocks."""
         st = self._send_head(request, headers, request_ended)
+        self.mark()  # we are in a reader's batch: the head goes out when it ends
         Splice(down, down_st, self, st, request_ended=request_ended, head_filter=head_filter, on_close=on_close)
         return st
 
@@ -207,6 +207,7 @@ class H2ClientConnection(H2Driver):
         body = request.body
         end = body.ended and not body.trailers
         st = self._send_head(request, headers, end)
+        self.kick()
         st.signal = Signal()
         if end:
             st.local_ended = True
