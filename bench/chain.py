@@ -46,19 +46,16 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import HOST, ROOT, Process, Processes, free_port, h2load, load_average, percentile
+
 REFERENCE = ROOT.parent / "shared" / "reference"
-HOST = "127.0.0.1"
 RPS_TARGET = 1.2  # proxyblocks 1 hop rps / reference hop rps, at least
 P50_TARGET = 0.8  # proxyblocks chain c1 p50 / reference 3-hop chain c1 p50, at most
 WARMUP = ["-n", "500", "-c", "8", "-m", "32"]
@@ -98,71 +95,6 @@ def serve(role: str, port: int, upstream: list[int]) -> None:
 # -- processes -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def tail(self, lines: int = 20) -> str:
-        text = self.log.read_text(errors="replace").rstrip()
-        return "\n".join(text.splitlines()[-lines:])
-
-
-class Processes:
-    """Every server process this run started, killed by handle on the way out."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.all: list[Process] = []
-
-    def start(self, name: str, argv: list[str], cwd: Path, port: int) -> Process:
-        log = self.logdir / f"{len(self.all):02d}-{name.replace(' ', '_')}.log"
-        with log.open("wb") as out:
-            # own session: a Ctrl-C reaches only this script, which then kills the servers itself
-            popen = subprocess.Popen(
-                [sys.executable, *argv], cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        proc = Process(name, popen, log)
-        self.all.append(proc)
-        wait_for_port(proc, port)
-        return proc
-
-    def stop(self, procs: list[Process]) -> None:
-        for proc in procs:
-            if proc.popen.poll() is None:
-                proc.popen.terminate()
-        for proc in procs:
-            try:
-                proc.popen.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
-
-    def stop_all(self) -> None:
-        self.stop(self.all)
-
-
-def wait_for_port(proc: Process, port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before listening:\n{proc.tail()}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.name} not listening on {port} after {timeout}s:\n{proc.tail()}") from None
-            time.sleep(0.05)
-
-
 def self_argv(role: str, port: int, *upstream: int) -> list[str]:
     return [str(Path(__file__).resolve()), "--serve", role, str(port), *map(str, upstream)]
 
@@ -181,44 +113,6 @@ class Result:
     p50_us: float = math.nan
     p99_us: float = math.nan
     problems: list[str] = field(default_factory=list)
-
-
-def h2load(port: int, args: list[str], timeout: float, log_file: Path | None = None) -> tuple[str, list[str]]:
-    """Run h2load; return its output and what went wrong (failed/errored/non-2xx/hang)."""
-    argv = ["h2load", *args]
-    if log_file is not None:
-        argv.append(f"--log-file={log_file}")
-    argv.append(f"http://{HOST}:{port}/")
-    what = " ".join(argv[1:-1])
-    try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-        return out, [f"h2load {what}: no answer within {timeout:.0f}s (hang)"]
-    out = run.stdout + run.stderr
-    problems = []
-    counts = re.search(
-        r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, "
-        r"(\d+) failed, (\d+) errored, (\d+) timeout",
-        out,
-    )
-    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
-    if run.returncode != 0 or counts is None or codes is None:
-        problems.append(f"h2load {what}: exit {run.returncode}, unreadable output")
-    else:
-        total, _, done, ok, failed, errored, timed_out = map(int, counts.groups())
-        non2xx = sum(map(int, codes.groups()[1:]))
-        if failed or errored or timed_out or non2xx or done != total or ok != total:
-            problems.append(
-                f"h2load {what}: {total} total, {done} done, {ok} succeeded, {failed} failed, "
-                f"{errored} errored, {timed_out} timeout, {non2xx} non-2xx"
-            )
-    return out, problems
-
-
-def percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile."""
-    return float(sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)])
 
 
 def measure(name: str, port: int, n: int, m: int, tmp: Path, verbose: bool, *, warm: bool) -> Result:
@@ -308,7 +202,7 @@ def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
         # turn (a different order each round), so a burst of outside load lands
         # on all of them alike instead of on one.
         replica_port = free_port()
-        replica = procs.start("replica", self_argv("replica", replica_port), ROOT, replica_port)
+        replica = procs.start("replica", self_argv("replica", replica_port), replica_port)
         ready: dict[str, tuple[int, list[Process]]] = {}
         for label, chain in targets(replica_port):
             hops: list[Process] = []
@@ -317,7 +211,7 @@ def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
                 for hop in chain:
                     listen = free_port()
                     name, argv, cwd = hop(listen, port)
-                    hops.append(procs.start(name, argv, cwd, listen))
+                    hops.append(procs.start(name, argv, listen, cwd=cwd))
                     port = listen
             except RuntimeError as exc:
                 results[label] = Result(label, problems=[f"could not start: {exc}"])
@@ -352,13 +246,6 @@ def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
         procs.stop_all()
     print(f"load average after: {load_average()}  (other processes on the machine skew the figures)")
     return report(results)
-
-
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 def report(results: dict[str, Result]) -> int:

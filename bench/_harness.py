@@ -1,0 +1,151 @@
+"""What the benchmarks share: server processes, h2load runs, small statistics.
+
+Not a benchmark itself. ``bench/chain.py`` and ``bench/fairness.py`` import
+it from beside them (run them as scripts from the repository root).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace").rstrip()
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Processes:
+    """Every process this run started, killed by handle on the way out."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.all: list[Process] = []
+
+    def _spawn(self, name: str, argv: list[str], stdout: int | None = None, cwd: Path = ROOT) -> Process:
+        log = self.logdir / f"{len(self.all):02d}-{name.replace(' ', '_')}.log"
+        with log.open("wb") as out:
+            # own session: a Ctrl-C reaches only this script, which then kills the others itself
+            popen = subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=cwd,
+                stdout=out if stdout is None else stdout,
+                stderr=subprocess.STDOUT if stdout is None else out,
+                start_new_session=True,
+            )
+        proc = Process(name, popen, log)
+        self.all.append(proc)
+        return proc
+
+    def start(self, name: str, argv: list[str], port: int, cwd: Path = ROOT) -> Process:
+        """A server, run in ``cwd``: returns once it listens on ``port``."""
+        proc = self._spawn(name, argv, cwd=cwd)
+        wait_for_port(proc, port)
+        return proc
+
+    def run(self, name: str, argv: list[str], timeout: float) -> tuple[int | None, str, Process]:
+        """A one-shot helper: (exit code, or None if it had to be killed; its stdout; the process)."""
+        proc = self._spawn(name, argv, stdout=subprocess.PIPE)
+        try:
+            out, _ = proc.popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            out, _ = proc.popen.communicate()
+            return None, out.decode(errors="replace"), proc
+        return proc.popen.returncode, out.decode(errors="replace"), proc
+
+    def stop(self, procs: list[Process]) -> None:
+        for proc in procs:
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+    def stop_all(self) -> None:
+        self.stop(self.all)
+
+
+def wait_for_port(proc: Process, port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before listening:\n{proc.tail()}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.name} not listening on {port} after {timeout}s:\n{proc.tail()}") from None
+            time.sleep(0.05)
+
+
+def h2load(port: int, args: list[str], timeout: float, log_file: Path | None = None) -> tuple[str, list[str]]:
+    """Run h2load; return its output and what went wrong (failed/errored/non-2xx/hang)."""
+    argv = ["h2load", *args]
+    if log_file is not None:
+        argv.append(f"--log-file={log_file}")
+    argv.append(f"http://{HOST}:{port}/")
+    what = " ".join(argv[1:-1])
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        return out, [f"h2load {what}: no answer within {timeout:.0f}s (hang)"]
+    out = run.stdout + run.stderr
+    problems = []
+    counts = re.search(
+        r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, "
+        r"(\d+) failed, (\d+) errored, (\d+) timeout",
+        out,
+    )
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    if run.returncode != 0 or counts is None or codes is None:
+        problems.append(f"h2load {what}: exit {run.returncode}, unreadable output")
+    else:
+        total, _, done, ok, failed, errored, timed_out = map(int, counts.groups())
+        non2xx = sum(map(int, codes.groups()[1:]))
+        if failed or errored or timed_out or non2xx or done != total or ok != total:
+            problems.append(
+                f"h2load {what}: {total} total, {done} done, {ok} succeeded, {failed} failed, "
+                f"{errored} errored, {timed_out} timeout, {non2xx} non-2xx"
+            )
+    return out, problems
+
+
+def percentile(sorted_values: list[float] | list[int], q: float) -> float:
+    """Nearest-rank percentile; NaN when empty."""
+    if not sorted_values:
+        return math.nan
+    return float(sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)])
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
