@@ -6,6 +6,8 @@ it from beside them (run them as scripts from the repository root).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import re
 import socket
@@ -14,9 +16,43 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
+
+
+def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None) -> None:
+    """Run one proxyblocks server until interrupted (a benchmark's ``--serve`` mode).
+
+    ``replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY``;
+    ``scheduler`` is the proxy's ``SchedulerConfig`` (tenant: ``x-tenant``), if any.
+    """
+    sys.path.insert(0, str(ROOT))
+    import trio
+
+    import blocks
+
+    server: Any
+    if role == "replica":
+        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port)
+    elif role == "worker":
+        (replica,) = upstream
+        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
+        server = functools.partial(blocks.serve_worker, replicas, host=HOST, port=port)
+    elif role == "proxy":
+        worker, replica = upstream
+        routes = blocks.RouteTable.build(
+            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker), address=(HOST, replica))]}
+        )
+        server = functools.partial(blocks.serve_proxy, routes, host=HOST, port=port, scheduler=scheduler)
+    elif role == "edge":
+        (proxy,) = upstream
+        server = functools.partial(blocks.serve_edge, blocks.EdgeConfig(proxy=(HOST, proxy)), host=HOST, port=port)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(server)
 
 
 def free_port() -> int:

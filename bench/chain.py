@@ -39,8 +39,6 @@ mode the benchmark uses to start one proxyblocks hop per process.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import math
 import os
 import re
@@ -53,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import HOST, ROOT, Process, Processes, free_port, h2load, load_average, percentile
+from _harness import ROOT, Process, Processes, free_port, h2load, load_average, percentile, serve_role
 
 REFERENCE = ROOT.parent / "shared" / "reference"
 RPS_TARGET = 1.2  # proxyblocks 1 hop rps / reference hop rps, at least
@@ -62,34 +60,6 @@ WARMUP = ["-n", "500", "-c", "8", "-m", "32"]
 
 
 # -- helper mode: one proxyblocks hop in this process ------------------------------------
-
-
-def serve(role: str, port: int, upstream: list[int]) -> None:
-    """Run one proxyblocks server: replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY."""
-    sys.path.insert(0, str(ROOT))
-    import trio
-
-    import blocks
-
-    if role == "replica":
-        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port)
-    elif role == "worker":
-        (replica,) = upstream
-        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
-        server = functools.partial(blocks.serve_worker, replicas, host=HOST, port=port)
-    elif role == "proxy":
-        worker, replica = upstream
-        routes = blocks.RouteTable.build(
-            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker), address=(HOST, replica))]}
-        )
-        server = functools.partial(blocks.serve_proxy, routes, host=HOST, port=port)
-    elif role == "edge":
-        (proxy,) = upstream
-        server = functools.partial(blocks.serve_edge, blocks.EdgeConfig(proxy=(HOST, proxy)), host=HOST, port=port)
-    else:
-        raise SystemExit(f"unknown role {role!r}")
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(server)
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -289,7 +259,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         if len(sys.argv) < 4:
             raise SystemExit("usage: chain.py --serve ROLE PORT [UPSTREAM_PORT...]")
-        serve(sys.argv[2], int(sys.argv[3]), [int(p) for p in sys.argv[4:]])
+        serve_role(sys.argv[2], int(sys.argv[3]), [int(p) for p in sys.argv[4:]])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=20000, help="requests for the rps run (default 20000)")

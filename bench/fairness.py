@@ -61,8 +61,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import functools
 import json
 import math
 import os
@@ -78,7 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _harness import HOST, ROOT, Process, Processes, free_port, h2load, load_average, percentile
+from _harness import HOST, ROOT, Process, Processes, free_port, h2load, load_average, percentile, serve_role
 
 ADMISSION_TARGET_US = 10.0  # µs per admission decision, at most, for 10 and 10,000 tenants
 P99_TARGET = 2.0  # B's p99 under A's flood / B's p99 alone (scheduler on), at most
@@ -221,36 +219,12 @@ def print_admission(results: list[Admission], decisions: int, repeats: int) -> f
 
 
 def serve(role: str, port: int, upstream: list[int], scheduler_name: str) -> None:
-    """Run one hop: replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY."""
+    """Run one hop (see ``_harness.serve_role``) with the named scheduler at the proxy."""
     _import_project()
-    import trio
-
-    import blocks
     from recipes.chain import FAIR
     from recipes.noisy_neighbour import SCHEDULER
 
-    if role == "replica":
-        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port)
-    elif role == "worker":
-        (replica,) = upstream
-        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
-        server = functools.partial(blocks.serve_worker, replicas, host=HOST, port=port)
-    elif role == "proxy":
-        worker, replica = upstream
-        routes = blocks.RouteTable.build(
-            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker), address=(HOST, replica))]}
-        )
-        config = {"small": SCHEDULER, "fair": FAIR, "off": None}[scheduler_name]
-        server = functools.partial(
-            blocks.serve_proxy, routes, host=HOST, port=port, scheduler=config, tenant_key=blocks.header_tenant()
-        )
-    elif role == "edge":
-        (proxy,) = upstream
-        server = functools.partial(blocks.serve_edge, blocks.EdgeConfig(proxy=(HOST, proxy)), host=HOST, port=port)
-    else:
-        raise SystemExit(f"unknown role {role!r}")
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(server)
+    serve_role(role, port, upstream, {"small": SCHEDULER, "fair": FAIR, "off": None}[scheduler_name])
 
 
 def generate_load(edge_port: int, seconds: float, flood_concurrency: int, rate: float) -> dict[str, Any]:
