@@ -1,7 +1,8 @@
 """What the benchmarks share: server processes, h2load runs, small statistics.
 
-Not a benchmark itself. ``bench/chain.py`` and ``bench/fairness.py`` import
-it from beside them (run them as scripts from the repository root).
+Not a benchmark itself, so it prints no ``verdict:`` line; each benchmark
+that imports it (``bench/chain.py``, ``bench/fairness.py``, run as scripts
+from the repository root) ends with its own.
 """
 
 from __future__ import annotations

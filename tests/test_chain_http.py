@@ -50,25 +50,16 @@ def split_curl(output: str) -> tuple[str, str, str]:
     return head.lower(), body, version
 
 
-async def test_curl_http1(chain: Chain) -> None:
+@pytest.mark.parametrize(("flag", "version"), [("--http1.1", "1.1"), ("--http2-prior-knowledge", "2")])
+async def test_curl_cleartext(chain: Chain, flag: str, version: str) -> None:
     with trio.fail_after(20):
-        output = await curl("--http1.1", "-i", "-w", "\n%{http_version}", chain.url + "/")
-    head, body, version = split_curl(output)
-    assert version == "1.1"
-    assert head.startswith("http/1.1 200")
+        output = await curl(flag, "-i", "-w", "\n%{http_version}", chain.url + "/")
+    head, body, seen = split_curl(output)
+    assert seen == version
+    assert head.startswith(f"http/{version} 200")
     assert "x-replica: replica-" in head
     assert body.startswith("hello from replica-")
     check_server_timing(next(line.partition(":")[2] for line in head.splitlines() if line.startswith("server-timing")))
-
-
-async def test_curl_h2c_prior_knowledge(chain: Chain) -> None:
-    with trio.fail_after(20):
-        output = await curl("--http2-prior-knowledge", "-i", "-w", "\n%{http_version}", chain.url + "/")
-    head, body, version = split_curl(output)
-    assert version == "2"
-    assert head.startswith("http/2 200")
-    assert "x-replica: replica-" in head
-    assert body.startswith("hello from replica-")
 
 
 async def test_curl_tls_alpn_h2(nursery: trio.Nursery, tmp_path: Path) -> None:
