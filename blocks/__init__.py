@@ -5,6 +5,7 @@ from blocks.errors import (
     BadRequest,
     BlocksError,
     NoRoute,
+    PayloadTooLarge,
     StreamReset,
     UpstreamConnectError,
     UpstreamProtocolError,
@@ -50,7 +51,16 @@ from blocks.http import (
 )
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import Address, LeastInFlight, Policy, Replica, RouteTable
+from blocks.routing import (
+    Address,
+    LeastInFlight,
+    OutlierConfig,
+    OutlierDetector,
+    OutlierStatistics,
+    Policy,
+    Replica,
+    RouteTable,
+)
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
 from blocks.timing import Timing, add_server_timing, parse_server_timing
 from blocks.tls import make_self_signed, server_context
@@ -72,6 +82,7 @@ __all__ = [
     "BadRequest",
     "BlocksError",
     "NoRoute",
+    "PayloadTooLarge",
     "StreamReset",
     "UpstreamConnectError",
     "UpstreamProtocolError",
@@ -87,6 +98,9 @@ __all__ = [
     "open_upstreams",
     # routing
     "LeastInFlight",
+    "OutlierConfig",
+    "OutlierDetector",
+    "OutlierStatistics",
     "Policy",
     "Replica",
     "RouteTable",

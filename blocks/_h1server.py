@@ -6,20 +6,35 @@ h11's buffer). The request body is pulled from the socket as the handler
 back-pressure and a handler may answer before reading it all. A connection
 whose request body was not read to its end is closed after the response,
 never reused.
+
+What an h1 request must be to get past here, on top of h11's syntax checks,
+because this is where h1 framing ends and every later hop re-frames the
+request (RFC 9112 6.3, 11.2): one framing (``content-length`` or
+``transfer-encoding: chunked``, never both), no obs-fold, one
+``host[:port]`` authority (an absolute-form target's wins over ``Host``), an
+origin-form target (or ``*`` for ``OPTIONS``), a head within the size and
+field-count caps, a body within ``max_request_body``. A request that fails
+is answered here and never handed on, and its connection is closed.
+
+Two clocks bound a head (slowloris): a kept-alive connection waits at most
+``h1_idle_timeout`` for the first byte of its next request, and a head must
+be complete within ``h1_header_timeout`` of its first byte (of the
+connection's start for the first request), else 408.
 """
 
 from __future__ import annotations
 
 import http
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 import h11
 import trio
 
 from blocks._h1 import H1Body, H1Stream
-from blocks._validate import check_header_list_size
-from blocks.errors import BadRequest, StreamReset
+from blocks._validate import check_authority, check_header_list_size
+from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import (
     HOP_BY_HOP,
     Body,
@@ -40,58 +55,115 @@ if TYPE_CHECKING:
 log = logging.getLogger("blocks.listener")
 
 _REASONS: dict[int, bytes] = {}
+_PATH = re.compile(rb"/[\x21-\x7e]*\Z")
+# The first line start that is either the end of the head or an obs-fold.
+_END_OR_FOLD = re.compile(rb"\n(?:\r?\n|[ \t])")
+_ABSOLUTE = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)(.*)\Z", re.DOTALL)
+# After an error answer, how long and how much of the client's unread input
+# is read and dropped before closing (see _linger).
+_LINGER_SECONDS = 1.0
+_LINGER_BYTES = 1024 * 1024
 
 
 class H1RequestBody(H1Body):
-    """A request body read from the connection on demand (``100 Continue`` first if asked)."""
+    """A request body read from the connection on demand (``100 Continue`` first if asked).
 
-    __slots__ = ()
+    It never returns more than ``limit`` bytes in all (``None``: no limit):
+    the read that would cross it raises
+    :class:`~blocks.errors.PayloadTooLarge` (a
+    :class:`~blocks.errors.StreamReset` too) instead. ``status`` is set when
+    the body broke through the client's fault (400 for bad chunked framing,
+    413 for the limit): that, not whatever a relay made of the cut upload,
+    is the answer.
+    """
+
+    __slots__ = ("_limit", "_received", "status")
 
     peer = "client"
+
+    def __init__(self, h1: H1Stream, length: int | None, limit: int | None) -> None:
+        super().__init__(h1, length)
+        self._limit = limit
+        self._received = 0
+        self.status: int | None = None
 
     async def receive(self) -> bytes:
         h1 = self._h1
         if not self._done and h1.conn.they_are_waiting_for_100_continue:
             await h1.stream.send_all(h1.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-        return await super().receive()
+        try:
+            data = await super().receive()
+        except StreamReset as exc:
+            cause = exc.__cause__
+            if isinstance(cause, h11.RemoteProtocolError) and self.status is None:
+                self.status = cause.error_status_hint
+            raise
+        self._received += len(data)
+        if self._limit is not None and self._received > self._limit:
+            self.finished(False)
+            self.status = 413
+            raise PayloadTooLarge(f"request body over {self._limit} bytes")
+        return data
 
 
-def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: bytes, max_size: int) -> Request:
-    check_header_list_size(event.headers, max_size)  # type: ignore[arg-type]
+def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: bytes, config: ListenerConfig) -> Request:
+    check_header_list_size(event.headers, config.max_header_list_size, config.max_header_count)  # type: ignore[arg-type]
     headers: Headers = []
     authority = b""
     length: int | None = None
-    has_body = False
+    chunked = False
     for name, value in event.headers:
-        if name == b"host":
+        if name == b"host":  # h11 refuses a second one
             authority = value
             continue
         if name == b"content-length":
-            length = int(value)
-            has_body = length > 0
+            length = int(value)  # h11 checked: digits, one value
         elif name == b"transfer-encoding":
-            has_body = True
+            chunked = True  # h11 checked: exactly "chunked"
         headers.append((name, value))
+    if chunked and length is not None:
+        # Two framings: the classic smuggling shape (RFC 9112 6.1). h11 would
+        # go by the chunks and the content-length would travel on, so refuse it.
+        raise BadRequest("content-length and transfer-encoding together")
+    if chunked and event.http_version == b"1.0":
+        raise BadRequest("transfer-encoding in HTTP/1.0")  # RFC 9112 6.1: faulty framing
+    method = event.method
+    if method == b"CONNECT":
+        raise BadRequest("CONNECT is not supported", status=501)  # as on h2
     target = event.target
-    if target[:1] != b"/" and b"://" in target:
-        # absolute-form (RFC 9112 3.2.2): its authority wins over Host.
-        scheme, _, rest = target.partition(b"://")
-        authority, slash, path = rest.partition(b"/")
-        target = slash + path or b"/"
+    if target[:1] != b"/":
+        absolute = _ABSOLUTE.match(target)
+        if absolute is not None:
+            # absolute-form (RFC 9112 3.2.2): its authority wins over Host. The
+            # scheme stays the connection's, which is what the client really used.
+            if absolute[1].lower() not in (b"http", b"https"):
+                raise BadRequest("absolute-form target with a scheme other than http(s)")
+            authority = absolute[2]
+            target = absolute[3]
+            if target[:1] != b"/":
+                target = b"/" + target
+        elif not (target == b"*" and method == b"OPTIONS"):
+            raise BadRequest("request target is not origin-form")
+    if target != b"*" and not _PATH.match(target):
+        raise BadRequest("bad request target")
     if not authority:
         raise BadRequest("no host")
+    authority = check_authority(authority)
+    limit = config.max_request_body
+    if length is not None and limit is not None and length > limit:
+        raise PayloadTooLarge(f"declared body of {length} bytes is over {limit}")
     body: Body
-    if has_body:
-        body = H1RequestBody(reader, length)
+    if chunked or length:
+        body = H1RequestBody(reader, length, limit)
     else:
         # h11 has the (empty) end of this message already: take it now, so the
         # connection is ready for the next request once the response is out.
         reader.conn.next_event()
         body = empty_body()
     return Request(
-        event.method,
+        method,
         scheme,
-        authority.lower(),
+        authority,
         target,
         headers,
         body,
@@ -115,6 +187,78 @@ def _response_head(response: Response, close: bool) -> h11.Response:
     return h11.Response(status_code=response.status, headers=headers, reason=reason)
 
 
+async def _read_head(reader: H1Stream, config: ListenerConfig, drain: Any, *, first: bool) -> tuple[Any, int | None]:
+    """The next request head as an h11 event, or why there is none.
+
+    Returns ``(event, None)``; ``(None, status)`` to answer ``status`` and
+    close; ``(None, None)`` to close quietly. A connection may idle up to
+    ``h1_idle_timeout`` before a head's first byte (the first request skips
+    that: its bytes are here, or due, already), then the head must be done
+    within ``h1_header_timeout``: if not, 408 if any of it came, a quiet
+    close if none did. A drain cancels the wait, and what is half-read is
+    not answered then.
+    """
+    conn = reader.conn
+    stream = reader.stream
+    # The head's raw bytes, for what h11 would silently accept: obs-fold.
+    raw = bytearray(conn.trailing_data[0])
+    with trio.CancelScope() as waiting:
+        drain.idle_scope = waiting
+        try:
+            event = conn.next_event()
+            if event is h11.NEED_DATA and not first and not raw:
+                with trio.move_on_after(config.h1_idle_timeout) as idle:
+                    data = await stream.receive_some(65536)
+                if idle.cancelled_caught:
+                    return None, None
+                raw += data
+                conn.receive_data(data)  # type: ignore[arg-type]  # b"": the client closed, h11 says so
+                event = conn.next_event()
+            if event is h11.NEED_DATA:
+                with trio.move_on_after(config.h1_header_timeout):
+                    while event is h11.NEED_DATA:
+                        data = await stream.receive_some(65536)
+                        raw += data
+                        conn.receive_data(data)  # type: ignore[arg-type]
+                        event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    return None, (408 if raw else None)
+        except h11.RemoteProtocolError as exc:
+            return None, exc.error_status_hint
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return None, None
+        finally:
+            drain.idle_scope = None
+        if type(event) is h11.Request:
+            # h11 unfolds obs-fold (RFC 9112 5.2 allows that or a 400): refused
+            # here, so that no parser downstream ever has a fold to disagree on.
+            end = _END_OR_FOLD.search(raw)
+            if end is not None and end[0][1:2] in b" \t":
+                return None, 400
+        return event, None
+    return None, None  # drained while waiting
+
+
+async def _linger(stream: trio.abc.Stream) -> None:
+    """Shut our side, then drop what the client still sends, briefly.
+
+    Closing a socket with unread input makes the kernel reset it, which can
+    destroy the error response still on its way to the client (RFC 9112
+    9.6): a client still sending a body it was told not to would get a
+    reset instead of its 413.
+    """
+    if not isinstance(stream, trio.abc.HalfCloseableStream):
+        return
+    with trio.move_on_after(_LINGER_SECONDS):
+        try:
+            await stream.send_eof()
+            left = _LINGER_BYTES
+            while left > 0 and (data := await stream.receive_some(65536)):
+                left -= len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
 async def serve_h1(
     stream: trio.abc.Stream,
     handler: Handler,
@@ -129,63 +273,62 @@ async def serve_h1(
     if initial:
         conn.receive_data(initial)
     reader = H1Stream(stream, conn)
+    first = True
     while True:
         request: Request | None = None
-        error: int | None = None
         if drain.draining and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
             return
-        with trio.move_on_after(config.h1_idle_timeout) as idle:
-            drain.idle_scope = idle
-            try:
-                event = await reader.next_event()
-            except h11.RemoteProtocolError as exc:
-                error = exc.error_status_hint
-                event = None
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-            finally:
-                drain.idle_scope = None
-        if idle.cancelled_caught:
-            if drain.draining and conn.their_state is h11.IDLE:
-                return  # drained while idle: nothing half-read to answer
-            # Quiet keep-alive connections just close; a half-sent head gets 408.
-            if conn.their_state is h11.IDLE and not conn.trailing_data[0]:
-                return
-            error = 408
-            event = None
+        event, error = await _read_head(reader, config, drain, first=first)
+        first = False
         if type(event) is h11.ConnectionClosed or (event is None and error is None):
             return
         if type(event) is h11.Request:
             try:
-                request = _request_from(event, reader, client, scheme, config.max_header_list_size)
-            except BadRequest as exc:
+                request = _request_from(event, reader, client, scheme, config)
+            except BlocksError as exc:
                 error = exc.status
             except ValueError:
                 error = 400
-        response: Response | None = None
+        broken: int | None = None  # why the client's own upload broke, if it did
         if request is not None:
             response = await respond(handler, request)
+            body = request.body
+            if type(body) is H1RequestBody and body.status is not None:
+                broken = body.status
+                # Nothing of the handler's answer has been sent: the client's
+                # fault is the answer, not what a relay made of the cut upload.
+                await _abandon(response.body)
+                response.closed()
+                response = error_response(broken)
         else:
             response = error_response(error or 400)
         if request is not None and request.method == b"HEAD" and not response.body.ended:
             await response.body.aclose()
             response.body = empty_body()
-        close = drain.draining or request is None
+        close = drain.draining or request is None or broken is not None
         try:
             await _send_response(stream, conn, response, close)
         except (StreamReset, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
             if not response.body.ended:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    await response.body.aclose()
+                await _abandon(response.body)
             response.closed()
         if request is not None and not request.body.ended:
             await request.body.aclose()
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not close:
             conn.start_next_cycle()
             continue
+        if request is None or broken is not None:
+            # Refused: the client may still be sending what we will not read.
+            # (Not after an early answer: a relay may still be reading the body.)
+            await _linger(stream)
         return
+
+
+async def _abandon(body: Body) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        await body.aclose()
 
 
 async def _send_response(stream: trio.abc.Stream, conn: h11.Connection, response: Response, close: bool) -> None:

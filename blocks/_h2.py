@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.frame_buffer
 import h2.settings
 import hpack
 import hyperframe.frame
@@ -54,6 +56,8 @@ log = logging.getLogger("blocks.h2")
 
 _DEFAULT_WINDOW = 65535
 MAX_WINDOW = 2**31 - 1
+BACKLOG_HIGH = 256 * 1024
+"""Bytes waiting for a connection's writer past which DATA senders wait (back-pressure)."""
 
 
 class PlainEncoder(hpack.Encoder):
@@ -69,6 +73,71 @@ class PlainEncoder(hpack.Encoder):
         return super().encode(headers, huffman=False)
 
 
+class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's inbound frame buffer, with the limits a server facing strangers needs.
+
+    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block) and
+    counts nothing else. This buffer sees every frame before h2 acts on it and
+    allows:
+
+    - a header block (HEADERS plus its CONTINUATIONs) of at most
+      ``max_header_block`` encoded bytes;
+    - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
+      whose payload is empty and that end nothing;
+    - at most ``flood_limit`` control frames per ``flood_window`` seconds:
+      SETTINGS, PING, PRIORITY, frames of unknown types, and whatever the
+      driver reports through :meth:`control_frame` (window updates that
+      serve no stream).
+
+    Crossing one raises h2's ``DenialOfServiceError``, which h2 answers with
+    GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the connection.
+    """
+
+    def __init__(self, *, max_header_block: int, max_empty: int, flood_limit: int, flood_window: float) -> None:
+        super().__init__(server=True)
+        self.max_header_block = max_header_block
+        self.max_empty = max_empty
+        self.flood_limit = flood_limit
+        self.flood_window = flood_window
+        self._block = 0  # bytes of the header block being received
+        self._empty = 0  # consecutive empty frames
+        self._control = 0  # control frames since _since
+        self._since = time.monotonic()
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        kind = f.type
+        if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
+            data = f.data
+            if kind:
+                self._block = len(data) if kind == 1 else self._block + len(data)
+                if self._block > self.max_header_block:
+                    raise h2.exceptions.DenialOfServiceError(f"header block over {self.max_header_block} bytes")
+            if data or "END_STREAM" in f.flags or "END_HEADERS" in f.flags:
+                self._empty = 0
+            else:
+                self._empty += 1
+                if self._empty > self.max_empty:
+                    raise h2.exceptions.DenialOfServiceError(f"more than {self.max_empty} empty frames in a row")
+        elif kind in _CONTROL_FRAMES or kind > 9:
+            self.control_frame()
+        return super()._update_header_buffer(f)
+
+    def control_frame(self) -> None:
+        """Count one control frame; raise once there are too many in the window."""
+        self._control += 1
+        if self._control > self.flood_limit:
+            now = time.monotonic()
+            if now - self._since < self.flood_window:
+                raise h2.exceptions.DenialOfServiceError(
+                    f"more than {self.flood_limit} control frames in {self.flood_window:g} s"
+                )
+            self._control = 1
+            self._since = now
+
+
+_CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
+
+
 def make_h2(
     *,
     client_side: bool,
@@ -76,6 +145,7 @@ def make_h2(
     stream_window: int,
     max_header_list_size: int,
     huffman: bool = False,
+    guard: GuardedFrameBuffer | None = None,
 ) -> h2.connection.H2Connection:
     """An ``H2Connection`` for one side of one hop, with h2's header checks off.
 
@@ -93,6 +163,8 @@ def make_h2(
         normalize_outbound_headers=False,
     )
     conn = h2.connection.H2Connection(config)
+    if guard is not None:
+        conn.incoming_buffer = guard
     # h2 applies our SETTINGS to its decoder only once the peer acknowledges
     # them; a head that arrives before that must meet the same limit.
     conn.decoder.max_header_list_size = max_header_list_size
@@ -122,6 +194,7 @@ class H2Stream:
         "head",
         "id",
         "local_ended",
+        "received",
         "remote_ended",
         "signal",
         "splice",
@@ -139,6 +212,7 @@ class H2Stream:
         self.closed = False
         self.local_ended = False
         self.remote_ended = False
+        self.received = 0  # request body bytes (server side, with a body limit)
         self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
 
 
@@ -170,7 +244,14 @@ class H2Driver:
     peer = "peer"  # who is on the other end, for messages
     handlers: dict[type[h2.events.Event], Callable[[Any], None]]  # set by each role
 
-    def __init__(self, stream: trio.abc.Stream, conn: h2.connection.H2Connection, *, connection_window: int) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        conn: h2.connection.H2Connection,
+        *,
+        connection_window: int,
+        max_backlog: int | None = None,
+    ) -> None:
         self.stream = stream
         self.h2 = conn
         self.streams: dict[int, H2Stream] = {}
@@ -178,6 +259,10 @@ class H2Driver:
         self._wake = Signal()
         self._out: list[bytes] = []  # bytes taken from h2, waiting for the writer
         self._sending = False  # the writer is inside send_all
+        self.backlog = 0  # bytes in _out or inside send_all
+        self.backlogged = False  # a DATA sender waits for the backlog to fall
+        self.body_limit: int | None = None  # server side: max_request_body
+        self._max_backlog = max_backlog
         self._marked = False
         # A plain socket can take bytes straight from a reader, without waking
         # the writer (see flush_marked); TLS always goes through the writer.
@@ -191,8 +276,17 @@ class H2Driver:
         """Move what the state machine queued to the writer; wake it only if there is something."""
         data = self.h2.data_to_send()
         if data:
-            self._out.append(data)
-            self._wake.set()
+            self._queue(data)
+
+    def _queue(self, data: bytes) -> None:
+        self._out.append(data)
+        self.backlog += len(data)
+        self._wake.set()
+        if self._max_backlog is not None and self.backlog > self._max_backlog and not self.closed:
+            # DATA waits at BACKLOG_HIGH, so only a peer that does not read
+            # while it makes us answer (PINGs, SETTINGS, heads) gets here.
+            log.info("%s does not read: %d bytes waiting; closing", self.peer, self.backlog)
+            self.mark_closed()
 
     def dispatch(self, events: list[h2.events.Event]) -> None:
         """Run each event's handler (``self.handlers``), then flush what the batch touched."""
@@ -202,6 +296,8 @@ class H2Driver:
                 handler = handlers.get(type(ev))
                 if handler is not None:
                     handler(ev)
+                    if self.closed:
+                        break  # the rest of the batch is moot (and may be a flood)
         finally:
             self.mark()
             flush_marked()
@@ -228,8 +324,7 @@ class H2Driver:
             if sent == len(data):
                 return
             data = data[sent:]
-        self._out.append(data)
-        self._wake.set()
+        self._queue(data)
 
     def start(self) -> None:
         """Queue the preface and our SETTINGS, and open the connection window."""
@@ -248,12 +343,20 @@ class H2Driver:
                 await self._wake.wait()
                 if self.closed:
                     self.kick()
-                if out:
+                # A close may come while we send: what it queued (a GOAWAY) goes before we return.
+                while out:
                     data = out[0] if len(out) == 1 else b"".join(out)
                     out.clear()
                     self._sending = True
                     await stream.send_all(data)
                     self._sending = False
+                    self.backlog -= len(data)
+                    if self.backlogged and self.backlog < BACKLOG_HIGH // 2:
+                        self.backlogged = False
+                        self.wake_all_windows()
+                        flush_marked()  # what spliced pipes sent on waking
+                    if self.closed:
+                        self.kick()
                 if self.closed:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -271,8 +374,7 @@ class H2Driver:
         """
         frame = hyperframe.frame.GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
         self.kick()
-        self._out.append(frame.serialize())
-        self._wake.set()
+        self._queue(frame.serialize())
 
     def survive_goaway(self, ev: h2.events.ConnectionTerminated) -> bool:
         """After a peer's graceful GOAWAY, let the streams below its last id finish.
@@ -360,6 +462,11 @@ class H2Driver:
         st = self.streams.get(ev.stream_id)
         data = ev.data or b""
         size = ev.flow_controlled_length or 0
+        if st is not None and self.body_limit is not None:
+            st.received += len(data)
+            if st.received > self.body_limit:
+                self.body_too_large(st, size)
+                return
         if st is not None and st.splice is not None:
             st.splice.data(self, st, data, size, ev.stream_ended is not None)
             return
@@ -372,6 +479,9 @@ class H2Driver:
         if padding:
             self.h2.acknowledge_received_data(padding, ev.stream_id)
         body.feed(data)
+
+    def body_too_large(self, st: H2Stream, size: int) -> None:
+        """Hook: ``st``'s inbound body crossed ``body_limit`` (this frame was not delivered)."""
 
     def on_trailers(self, ev: h2.events.TrailersReceived) -> None:
         st = self.streams.get(ev.stream_id)
@@ -418,6 +528,9 @@ class H2Driver:
                 window = conn.local_flow_control_window(sid)
             except h2.exceptions.ProtocolError as exc:
                 raise StreamReset("stream closed by peer") from exc
+            if self.backlog >= BACKLOG_HIGH:
+                window = 0  # the peer is not reading fast enough; wait for the writer
+                self.backlogged = True
             size = len(data)
             frame = conn.max_outbound_frame_size
             if size <= window and size <= frame:

@@ -22,9 +22,9 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, Relay, make_h2
+from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, make_h2
 from blocks._validate import validate_request_head
-from blocks.errors import BlocksError, StreamReset
+from blocks.errors import BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
 from blocks.timing import Timing
 
@@ -38,6 +38,7 @@ _CANCEL = h2.errors.ErrorCodes.CANCEL
 _NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 _INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
+_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 
 
 class H2ServerConnection(H2Driver):
@@ -53,6 +54,12 @@ class H2ServerConnection(H2Driver):
         scheme: bytes,
         relay: Relay | None = None,
     ) -> None:
+        guard = GuardedFrameBuffer(
+            max_header_block=config.max_header_list_size,
+            max_empty=config.max_empty_frames,
+            flood_limit=config.flood_limit,
+            flood_window=config.flood_window,
+        )
         conn = make_h2(
             client_side=False,
             max_concurrent_streams=config.max_concurrent_streams,
@@ -61,8 +68,11 @@ class H2ServerConnection(H2Driver):
             # leaves room for the per-stream 431 that validation answers.
             max_header_list_size=2 * config.max_header_list_size,
             huffman=config.hpack_huffman,
+            guard=guard,
         )
-        super().__init__(stream, conn, connection_window=config.connection_window)
+        super().__init__(
+            stream, conn, connection_window=config.connection_window, max_backlog=config.max_outbound_buffer
+        )
         self.handler = handler
         self.relay = relay
         self.config = config
@@ -70,15 +80,21 @@ class H2ServerConnection(H2Driver):
         self.scheme = scheme
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
+        self.body_limit = config.max_request_body
+        self._guard = guard
+        self._opened = 0  # streams the client opened
+        self._last_opened = 0  # the highest of their ids
+        self._resets = 0  # of those, reset by the client before we finished them
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
+        self._reader_done = trio.Event()
         self.handlers = {
             h2.events.RequestReceived: self._on_request,
             h2.events.DataReceived: self.on_data,
             h2.events.StreamEnded: self._on_stream_ended,
             h2.events.TrailersReceived: self.on_trailers,
-            h2.events.StreamReset: self.on_reset,
-            h2.events.WindowUpdated: self.on_window_updated,
+            h2.events.StreamReset: self._on_reset,
+            h2.events.WindowUpdated: self._on_window_updated,
             h2.events.RemoteSettingsChanged: self.on_settings,
             h2.events.ConnectionTerminated: self._on_terminated,
         }
@@ -94,6 +110,7 @@ class H2ServerConnection(H2Driver):
             await self._done.wait()
             with trio.move_on_after(self.config.close_timeout):
                 await self._writer_done.wait()
+                await self._reader_done.wait()
             nursery.cancel_scope.cancel()
 
     def mark_closed(self) -> None:
@@ -107,12 +124,29 @@ class H2ServerConnection(H2Driver):
             while not self.closed:
                 data = await self.stream.receive_some(65536)
                 if not data:
-                    break
+                    return
                 self._receive(data)
+            await self._linger()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
             self.mark_closed()
+            self._reader_done.set()
+
+    async def _linger(self) -> None:
+        """We closed on a client still sending: let our GOAWAY reach it.
+
+        Closing a socket with unread input makes the kernel send a reset,
+        which can destroy the GOAWAY in the client's receive buffer before it
+        is read. So: wait for the writer to send it, half-close, and discard
+        input until the client closes too (``run`` bounds this by
+        ``close_timeout``).
+        """
+        await self._writer_done.wait()
+        if isinstance(self.stream, trio.SocketStream):
+            await self.stream.send_eof()
+            while await self.stream.receive_some(65536):
+                pass
 
     def _receive(self, data: bytes | bytearray) -> None:
         try:
@@ -133,6 +167,8 @@ class H2ServerConnection(H2Driver):
             return
         st = H2Stream(sid)
         self.streams[sid] = st
+        self._opened += 1
+        self._last_opened = sid
         timing = Timing()
         request = Request(b"", b"", b"", b"", [], empty_body(), self.client, "2", timing)
         error: BlocksError | None = None
@@ -141,6 +177,8 @@ class H2ServerConnection(H2Driver):
         except BlocksError as exc:
             error = exc
             length = None
+        if length is not None and self.body_limit is not None and length > self.body_limit:
+            error = PayloadTooLarge(f"declared body of {length} bytes is over {self.body_limit}")
         ended = ev.stream_ended is not None
         if error is None and self.relay is not None and self.relay(request, self, st, ended):
             return  # spliced: frames are relayed by the readers from now on
@@ -157,7 +195,7 @@ class H2ServerConnection(H2Driver):
         (400) that leaves the connection's other streams alone.
         """
         if self.config.validate:
-            return validate_request_head(request, raw, self.config.max_header_list_size)
+            return validate_request_head(request, raw, self.config.max_header_list_size, self.config.max_header_count)
         headers = request.headers
         length = None
         for name, value in raw:
@@ -175,6 +213,48 @@ class H2ServerConnection(H2Driver):
                     length = int(value)
                 headers.append((name, value))
         return length
+
+    def body_too_large(self, st: H2Stream, size: int) -> None:
+        try:
+            self.h2.acknowledge_received_data(size, st.id)
+        except h2.exceptions.ProtocolError:
+            pass
+        if st.splice is not None:
+            st.splice.refuse(413)
+        elif st.body is not None and not st.body.ended:
+            st.body.fail(PayloadTooLarge(f"request body over {self.body_limit} bytes"))
+
+    def _on_reset(self, ev: h2.events.StreamReset) -> None:
+        if ev.stream_id in self.streams:
+            # Rapid reset (CVE-2023-44487): a client that cancels most of what
+            # it opens makes us do work for nothing. Cancelling some is normal.
+            self._resets += 1
+            if self._resets > self.config.max_client_resets and 2 * self._resets > self._opened:
+                self.calm(f"{self._resets} of {self._opened} streams reset by the client")
+                return
+        self.on_reset(ev)
+
+    def _on_window_updated(self, ev: h2.events.WindowUpdated) -> None:
+        st = self.streams.get(ev.stream_id) if ev.stream_id else None
+        if st is None and (ev.stream_id or not self.streams):
+            # A window update that serves no stream we are sending on.
+            try:
+                self._guard.control_frame()
+            except h2.exceptions.DenialOfServiceError as exc:
+                self.calm(str(exc))
+                return
+        self.on_window_updated(ev)
+
+    def calm(self, why: str) -> None:
+        """Close the connection with GOAWAY(ENHANCE_YOUR_CALM): the client is abusive."""
+        log.info("closing the connection of %s: %s", self.client, why)
+        try:
+            # h2 would name the last stream it parsed; we name the last one we served.
+            self.h2.close_connection(error_code=_CALM, last_stream_id=self._last_opened)
+        except h2.exceptions.ProtocolError:
+            pass
+        self.mark()
+        self.mark_closed()
 
     def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
         st = self.streams.get(ev.stream_id)
@@ -241,6 +321,13 @@ class H2ServerConnection(H2Driver):
                     response = error_response(error.status)
                 else:
                     response = await respond(self.handler, request)
+                    body = st.body
+                    if body is not None and isinstance(body.error, PayloadTooLarge) and response.status >= 500:
+                        # The client's upload crossed the limit: that is the answer,
+                        # not whatever a relay made of the cut upload.
+                        await _abandon(response.body)
+                        response.closed()
+                        response = error_response(413)
                 if request.method == b"HEAD" and not response.body.ended:
                     await _abandon(response.body)
                     response.body = empty_body()

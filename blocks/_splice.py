@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import h2.errors
 import h2.exceptions
 
-from blocks.errors import UpstreamTimeout
+from blocks._h2 import BACKLOG_HIGH
+from blocks.errors import BlocksError
 from blocks.http import BytesBody, Headers, error_response
 
 if TYPE_CHECKING:
@@ -83,7 +84,11 @@ class _Pipe:
         src = self.src.h2
         src_sid = self.src_st.id
         while data:
-            room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
+            if self.dst.backlog >= BACKLOG_HIGH:
+                self.dst.backlogged = True  # its writer wakes the windows when it drains
+                room = 0
+            else:
+                room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
             if room <= 0:
                 self.pending.appendleft(data)
                 return False
@@ -236,6 +241,18 @@ class Splice:
             self.up.reset(self.response.src_st, _CANCEL)
         self._close()
 
+    def refuse(self, status: int) -> None:
+        """End the exchange from our side: cancel the upstream stream, answer ``status`` downstream.
+
+        If the response head already went, the downstream stream is reset instead.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.up.reset(self.response.src_st, _CANCEL)
+        self._answer(status)
+        self._close()
+
     # -- internals ---------------------------------------------------------------------
 
     def _upstream_failed(self, error: BaseException) -> None:
@@ -249,10 +266,17 @@ class Splice:
             else:
                 down.reset(st, _NO_ERROR)
             return
+        self._answer(error.status if isinstance(error, BlocksError) else 502)
+
+    def _answer(self, status: int) -> None:
+        """An error response downstream in place of the upstream's (a reset if its head went)."""
+        down, st = self.down, self.down_st
+        if st.closed or down.closed:
+            return
         if self.head_sent:
             down.reset(st, _CANCEL)
             return
-        response = error_response(504 if isinstance(error, UpstreamTimeout) else 502)
+        response = error_response(status)
         assert isinstance(response.body, BytesBody)
         head = [(b":status", _STATUS[response.status]), *response.headers]
         try:

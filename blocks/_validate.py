@@ -6,8 +6,11 @@ surrounding whitespace, the four request pseudo-headers exactly once and
 before any regular field, no connection-specific fields, ``te`` only as
 ``trailers``, one consistent ``content-length``, a ``:path`` of visible
 ASCII, and one canonical lowercase authority that ``host`` (when present)
-agrees with. Every failure is a :class:`~blocks.errors.BadRequest` (400)
-for that request alone.
+agrees with. Every failure is a :class:`~blocks.errors.BadRequest` (400,
+or 431 for a head over the size or field-count cap) for that request alone.
+
+The HTTP/1.1 side (``blocks._h1server``) shares the caps and the authority
+rule; h11 checks the rest of its syntax.
 """
 
 from __future__ import annotations
@@ -20,29 +23,51 @@ from blocks.http import Request
 _NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]|\A[ \t]|[ \t]\Z")
 _PATH = re.compile(rb"[\x21-\x7e]+\Z")
-_AUTHORITY = re.compile(rb"[A-Za-z0-9\-._~%!$&'()*+,;=:\[\]]+\Z")
+# host [":" port], RFC 3986 3.2.2-3.2.3: a reg-name or an IP literal. No
+# userinfo ("a@b"), no spaces, one port at most, so that every parser
+# downstream finds the same host in it.
+_AUTHORITY = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]+)(?::[0-9]{0,5})?\Z")
 _SCHEME = re.compile(rb"[a-z][a-z0-9+\-.]*\Z")
 _METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
 _PSEUDO = {b":method": "method", b":scheme": "scheme", b":authority": "authority", b":path": "path"}
 
 
-def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int) -> None:
+def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None) -> None:
+    """431 for a head over ``max_size`` (RFC 7541 4.1's count) or with more than ``max_count`` fields.
+
+    Pseudo-headers are not fields: an h2 head and the same request over h1
+    (where ``host`` is a field) meet the same count.
+    """
     size = 0
     for name, value in fields:
         size += len(name) + len(value) + 32
     if size > max_size:
         raise BadRequest(f"header list of {size} bytes is over {max_size}", status=431)
+    if max_count is not None and len(fields) > max_count:
+        count = sum(name[:1] != b":" for name, _ in fields)
+        if count > max_count:
+            raise BadRequest(f"too many header fields: {count} over {max_count}", status=431)
 
 
-def validate_request_head(request: Request, raw: list[tuple[bytes, bytes]], max_size: int) -> int | None:
+def check_authority(authority: bytes) -> bytes:
+    """``authority`` in canonical form (lowercase); 400 unless it is a plain ``host[:port]``."""
+    if not _AUTHORITY.match(authority):
+        raise BadRequest("bad authority")
+    return authority.lower()
+
+
+def validate_request_head(
+    request: Request, raw: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None
+) -> int | None:
     """Fill ``request`` from an h2 header block, checking it; return the declared length.
 
     ``max_size`` caps the header list as RFC 7541 4.1 counts it (each field's
-    name and value plus 32): past it, 431, so that no later hop, whose
-    decoder holds the same cap, ever sees a head it would refuse.
+    name and value plus 32), and ``max_count`` (when given) the number of
+    regular fields: past either, 431, so that no later hop, whose decoder
+    holds the same cap, ever sees a head it would refuse.
     """
-    check_header_list_size(raw, max_size)
+    check_header_list_size(raw, max_size, max_count)
     headers = request.headers
     seen: set[bytes] = set()
     regular = False
@@ -100,7 +125,5 @@ def validate_request_head(request: Request, raw: list[tuple[bytes, bytes]], max_
         authority = host
     elif host is not None and host.lower() != authority.lower():
         raise BadRequest(":authority and host disagree")
-    if not _AUTHORITY.match(authority):
-        raise BadRequest("bad authority")
-    request.authority = authority.lower()
+    request.authority = check_authority(authority)
     return length

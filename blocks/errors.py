@@ -67,3 +67,15 @@ class StreamReset(BlocksError):
     """
 
     status = 502
+
+
+class PayloadTooLarge(StreamReset):
+    """The request body is over the listener's ``max_request_body``: 413.
+
+    Raised before any body byte is read when the declared length is over,
+    and by the body's ``receive`` when a streamed body crosses the limit. It
+    is a :class:`StreamReset` too: whoever relays the body treats it as an
+    upload cut short, and the listener answers 413 if no response started.
+    """
+
+    status = 413

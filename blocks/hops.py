@@ -36,12 +36,12 @@ import trio
 
 from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
-from blocks.errors import BlocksError, NoRoute
+from blocks.errors import BlocksError, NoRoute, StreamReset
 from blocks.fair_queue import Grant, SchedulerConfig
 from blocks.http import HOP_BY_HOP, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import Address, LeastInFlight, Policy, RouteTable
+from blocks.routing import Address, LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, RouteTable
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
 from blocks.timing import Timing, add_server_timing
 
@@ -61,10 +61,13 @@ class Forward:
     """Where one request goes next, as a hop's :meth:`Hop.decide` says.
 
     ``on_close`` runs exactly once when the exchange ends, however it ends
-    (release an in-flight count, a slot).
+    (release an in-flight count, a slot). ``on_status``, if set, hears the
+    status of the upstream's response head, or the error status when the
+    upstream never answered (502 for a refused connection, 504 for a
+    timeout): what outlier detection feeds on.
     """
 
-    __slots__ = ("address", "headers", "on_close", "protocol")
+    __slots__ = ("address", "headers", "on_close", "on_status", "protocol")
 
     def __init__(
         self,
@@ -73,11 +76,13 @@ class Forward:
         *,
         protocol: str = "h2",
         on_close: Callable[[], None] | None = None,
+        on_status: Callable[[int], None] | None = None,
     ) -> None:
         self.address = address
         self.headers = headers
         self.protocol = protocol
         self.on_close = on_close
+        self.on_status = on_status
 
 
 class Hop:
@@ -124,12 +129,14 @@ class Hop:
     def decide(self, request: Request) -> Forward:
         raise NotImplementedError
 
-    def _head(self, request: Request) -> HeadFilter:
+    def _head(self, request: Request, on_status: Callable[[int], None] | None) -> HeadFilter:
         timing = _timing(request)
         start = perf_counter()
         name, upstream_name, total = self.name, self.upstream_name, self.total
 
         def head(status: int, headers: Headers) -> Headers:
+            if on_status is not None:
+                on_status(status)
             timing.upstream = perf_counter() - start
             return add_server_timing(headers, timing.entries(name, upstream_name=upstream_name, total=total))
 
@@ -167,7 +174,7 @@ class Hop:
             down,
             st,
             request_ended=ended,
-            head_filter=self._head(request),
+            head_filter=self._head(request, forward.on_status),
             on_close=forward.on_close,
         ):
             return True
@@ -185,12 +192,14 @@ class Hop:
             forward = self._admitted(request, grant)
         else:
             forward = decision
-        head = self._head(request)
+        head = self._head(request, forward.on_status)
         try:
             response = await self.upstreams.request(
                 forward.address, request, forward.headers, protocol=forward.protocol
             )
-        except BaseException:
+        except BaseException as exc:
+            if forward.on_status is not None and isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
+                forward.on_status(exc.status)  # the upstream never answered: 502, 503, 504
             if forward.on_close is not None:
                 forward.on_close()
             raise
@@ -303,8 +312,10 @@ class Proxy(Hop):
         config: ProxyConfig | None = None,
         scheduler: Scheduler | None = None,
         tenant_key: TenantKey | None = None,
+        outliers: OutlierDetector | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
+        self.outliers = outliers
         super().__init__(self.config.name, upstreams, scheduler=scheduler, tenant_key=tenant_key)
         self.routes = routes
         self.policy: Policy = policy or LeastInFlight()
@@ -328,12 +339,21 @@ class Proxy(Hop):
             raise NoRoute(
                 f"no live replica for {request.authority!r}" if app else f"no route for {request.authority!r}"
             )
-        replica = self.policy.pick(candidates, self.in_flight)
+        outliers = self.outliers
+        if outliers is None:
+            replica = self.policy.pick(candidates, self.in_flight)
+        else:
+            replica = self.policy.pick(outliers.selectable(candidates, trio.current_time()), self.in_flight)
         timing.phase(self._phase, perf_counter() - start)
         name = replica.name
         self.in_flight[name] = self.in_flight.get(name, 0) + 1
         headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
-        return Forward(replica.worker, headers, on_close=_decrement(self.in_flight, name))
+        on_status = None if outliers is None else functools.partial(_record_outcome, outliers, replica)
+        return Forward(replica.worker, headers, on_close=_decrement(self.in_flight, name), on_status=on_status)
+
+
+def _record_outcome(outliers: OutlierDetector, replica: Replica, status: int) -> None:
+    outliers.record(replica, status < 500, trio.current_time())
 
 
 # -- worker -----------------------------------------------------------------------------
@@ -392,7 +412,9 @@ class Worker(Hop):
 
 # -- serving ----------------------------------------------------------------------------
 
-INTERNAL_LISTENER = ListenerConfig(validate=False, max_concurrent_streams=1000, max_header_list_size=256 * 1024)
+INTERNAL_LISTENER = ListenerConfig(
+    validate=False, max_concurrent_streams=1000, max_header_list_size=256 * 1024, max_request_body=None
+)
 """Listener settings for hops that only hear from a validating hop.
 
 Its header-list cap is well above the edge's, so the fields hops add on the
@@ -434,6 +456,7 @@ async def serve_proxy(
     config: ProxyConfig | None = None,
     scheduler: SchedulerConfig | None = None,
     tenant_key: TenantKey | None = None,
+    outliers: OutlierConfig | None = None,
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
@@ -442,13 +465,23 @@ async def serve_proxy(
 
     With ``scheduler``, requests are admitted to the proxy's upstream slots
     through a fair :class:`~blocks.scheduler.Scheduler` (tenant from
-    ``tenant_key``, the ``x-tenant`` header by default).
+    ``tenant_key``, the ``x-tenant`` header by default). With ``outliers``,
+    replicas that keep failing are ejected from selection for a while
+    (:class:`~blocks.routing.OutlierDetector`).
     """
     async with contextlib.AsyncExitStack() as stack:
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
         fair = await stack.enter_async_context(open_scheduler(scheduler)) if scheduler is not None else None
         nursery = await stack.enter_async_context(trio.open_nursery())
-        proxy = Proxy(routes, upstreams, policy=policy, config=config, scheduler=fair, tenant_key=tenant_key)
+        proxy = Proxy(
+            routes,
+            upstreams,
+            policy=policy,
+            config=config,
+            scheduler=fair,
+            tenant_key=tenant_key,
+            outliers=OutlierDetector(outliers) if outliers is not None else None,
+        )
         serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay)
         server = await nursery.start(serve)
         task_status.started((server, proxy))

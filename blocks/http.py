@@ -193,6 +193,11 @@ class StreamBody(Body):
         return self._ended and not self._chunks and self._error is None
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the body failed, if it did."""
+        return self._error
+
+    @property
     def buffered(self) -> int:
         """Bytes fed and not yet received."""
         return sum(map(len, self._chunks))
@@ -206,6 +211,8 @@ class StreamBody(Body):
                 return chunk
             if self._ended:
                 if self._error is not None:
+                    if isinstance(self._error, StreamReset):
+                        raise self._error
                     raise StreamReset(str(self._error)) from self._error
                 return b""
             await self._signal.wait()

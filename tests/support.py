@@ -21,6 +21,8 @@ import attrs
 import h2.config
 import h2.connection
 import h2.events
+import hpack
+import hyperframe.frame
 import trio
 
 from blocks import (
@@ -46,6 +48,7 @@ from blocks import (
 )
 
 HOST = "127.0.0.1"
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -220,6 +223,88 @@ class RawH2Client:
 
 
 # -- a chain assembled from blocks -------------------------------------------------------------
+
+
+class RawFrames:
+    """A bare HTTP/2 connection: frames go out exactly as built, frames come in parsed, nothing checked.
+
+    For what no HTTP/2 library will send: floods, broken header blocks,
+    frames on the wrong stream. Build frames with ``hyperframe.frame`` and
+    header blocks with :meth:`block`; read with :meth:`next_frame` or
+    :meth:`until`. Received frames are never acknowledged or answered.
+    """
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.heads: dict[int, dict[bytes, bytes]] = {}  # each stream's last header block, decoded
+        self._buffer = bytearray()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, port: int, *, settings: Mapping[int, int] | None = None) -> AsyncIterator[RawFrames]:
+        """Connect, send the preface and a SETTINGS frame (``settings``, empty by default)."""
+        stream = await trio.open_tcp_stream(HOST, port)
+        async with stream:
+            raw = cls(stream)
+            await raw.send(H2_PREFACE, hyperframe.frame.SettingsFrame(0, settings=dict(settings or {})))
+            yield raw
+
+    def block(self, path: bytes = b"/", *extra: tuple[bytes, bytes], method: bytes = b"GET") -> bytes:
+        """An HPACK header block for a request (``:authority`` example.test), literals without Huffman."""
+        fields = [(b":method", method), (b":scheme", b"http"), (b":authority", b"example.test"), (b":path", path)]
+        return bytes(self.encoder.encode([*fields, *extra], huffman=False))
+
+    def request(self, sid: int, path: bytes = b"/", *, end_stream: bool = True) -> hyperframe.frame.HeadersFrame:
+        flags = ["END_HEADERS", "END_STREAM"] if end_stream else ["END_HEADERS"]
+        return hyperframe.frame.HeadersFrame(sid, self.block(path), flags=flags)
+
+    async def send(self, *frames: hyperframe.frame.Frame | bytes) -> bool:
+        """Write ``frames`` in one go; False if the server has closed the connection."""
+        data = b"".join(f if isinstance(f, bytes) else f.serialize() for f in frames)
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
+
+    async def next_frame(self) -> hyperframe.frame.Frame | None:
+        """The next frame from the server, or None once it has closed the connection."""
+        while True:
+            if len(self._buffer) >= 9:
+                frame, length = hyperframe.frame.Frame.parse_frame_header(memoryview(self._buffer[:9]))
+                if len(self._buffer) >= 9 + length:
+                    frame.parse_body(memoryview(self._buffer[9 : 9 + length]))
+                    del self._buffer[: 9 + length]
+                    if isinstance(frame, hyperframe.frame.HeadersFrame):  # (the server sends no CONTINUATION)
+                        fields = self.decoder.decode(frame.data, raw=True)
+                        self.heads[frame.stream_id] = {bytes(n): bytes(v) for n, v in fields}
+                    return frame
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+            if not data:
+                return None
+            self._buffer += data
+
+    async def until(self, predicate: Callable[[hyperframe.frame.Frame], bool]) -> hyperframe.frame.Frame | None:
+        """Read until a frame satisfies ``predicate``; None if the connection closes first."""
+        while (frame := await self.next_frame()) is not None:
+            if predicate(frame):
+                return frame
+        return None
+
+    def status(self, sid: int) -> bytes | None:
+        """The ``:status`` of the last head received on ``sid``."""
+        return self.heads.get(sid, {}).get(b":status")
+
+    async def goaway(self) -> hyperframe.frame.GoAwayFrame | None:
+        """Read up to the server's GOAWAY (None if it closed without one)."""
+        frame = await self.until(lambda f: isinstance(f, hyperframe.frame.GoAwayFrame))
+        assert frame is None or isinstance(frame, hyperframe.frame.GoAwayFrame)
+        return frame
 
 
 def closed_port() -> int:

@@ -1,0 +1,304 @@
+"""HTTP/1.1 limits at a listener: the header clock, the idle clock, the field count, the body limit.
+
+- A head must be complete within ``h1_header_timeout`` of its first byte
+  (of the connection's start for the first one): a slowloris gets 408.
+- A kept-alive connection waits ``h1_idle_timeout`` for the next head and
+  then just closes: no 408 for a quiet connection.
+- More than ``max_header_count`` fields: 431.
+- A body over ``max_request_body``: 413 before the handler runs when the
+  length is declared; when a chunked body crosses it, the body raises
+  ``PayloadTooLarge`` and nobody downstream sees more than the limit.
+
+Rules: loopback only, port 0, every test bounded by ``trio.fail_after``. The
+clocks are real, with short timeouts; every bound set here is far above the
+timeout under test, and no assertion is on speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import pytest
+import trio
+from support import HOST, Assembled, RawH2Client, assemble, assemble_local
+from test_smuggling import RecordingReplica, exchange, start_recording_replica
+
+from blocks import (
+    EdgeConfig,
+    HTTPServer,
+    ListenerConfig,
+    PayloadTooLarge,
+    Request,
+    Response,
+    serve_edge,
+    serve_http,
+    text_response,
+)
+
+LIMIT = 1024
+
+
+@attrs.define(eq=False)
+class Handler:
+    """Reads each request's whole body, records what it got, answers ``200 <length>``."""
+
+    paths: list[bytes] = attrs.field(factory=list)
+    received: list[int] = attrs.field(factory=list)  # body bytes each request delivered
+    errors: list[BaseException] = attrs.field(factory=list)
+
+    async def __call__(self, request: Request) -> Response:
+        self.paths.append(request.path)
+        size = 0
+        try:
+            while chunk := await request.body.receive():
+                size += len(chunk)
+        except Exception as exc:
+            self.errors.append(exc)
+            raise
+        finally:
+            self.received.append(size)
+        return text_response(200, f"{size}")
+
+
+async def start(nursery: trio.Nursery, **config: float) -> tuple[Handler, HTTPServer]:
+    handler = Handler()
+    server = await nursery.start(functools.partial(serve_http, handler, config=ListenerConfig(**config)))
+    return handler, server
+
+
+async def read_to_close(stream: trio.SocketStream) -> bytes:
+    received = bytearray()
+    while data := await stream.receive_some(65536):
+        received += data
+    return bytes(received)
+
+
+def status_of(reply: bytes) -> int:
+    assert reply.startswith(b"HTTP/1.1 "), reply
+    return int(reply[9:12])
+
+
+GET = b"GET / HTTP/1.1\r\nhost: a.test\r\n\r\n"
+
+
+async def get_on(stream: trio.SocketStream) -> bytes:
+    """One keep-alive GET on ``stream``; the response (the handler's body is its length, 1 byte)."""
+    await stream.send_all(GET)
+    received = b""
+    while not (received.endswith(b"\r\n\r\n0") and b"content-length: 1\r\n" in received):
+        data = await stream.receive_some(65536)
+        assert data, received
+        received += data
+    return received
+
+
+# -- the header clock (slowloris) and the idle clock ------------------------------------------------
+
+
+async def test_a_head_dribbled_past_the_header_timeout_gets_408(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, h1_header_timeout=0.5)
+        stream = await trio.open_tcp_stream(HOST, server.port)
+        async with stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: a.test\r\n")
+            # A byte at a time keeps the connection busy but never finishes the head.
+            reply = b""
+            while not reply:
+                try:
+                    await stream.send_all(b"x")
+                except trio.BrokenResourceError:
+                    break
+                with trio.move_on_after(0.05):
+                    reply = await stream.receive_some(65536)
+            reply += await read_to_close(stream)
+    assert status_of(reply) == 408
+    assert b"connection: close" in reply.lower()
+    assert handler.paths == []
+
+
+async def test_the_first_head_is_on_the_header_clock_from_the_start(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, h1_header_timeout=0.5)
+        stream = await trio.open_tcp_stream(HOST, server.port)
+        async with stream:
+            await stream.send_all(b"G")
+            reply = await read_to_close(stream)
+    assert status_of(reply) == 408
+    assert handler.paths == []
+
+
+async def test_a_later_head_is_on_the_header_clock_from_its_first_byte(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, h1_header_timeout=0.5, h1_idle_timeout=30.0)
+        stream = await trio.open_tcp_stream(HOST, server.port)
+        async with stream:
+            assert status_of(await get_on(stream)) == 200
+            await stream.send_all(b"GET /2 HTTP/1.1\r\nhost: a.test\r\n")
+            reply = await read_to_close(stream)
+    assert status_of(reply) == 408
+    assert handler.paths == [b"/"]
+
+
+async def test_a_keep_alive_wait_is_on_the_idle_clock_not_the_header_clock(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, h1_header_timeout=0.2, h1_idle_timeout=30.0)
+        stream = await trio.open_tcp_stream(HOST, server.port)
+        async with stream:
+            assert status_of(await get_on(stream)) == 200
+            await trio.sleep(1.0)  # five header timeouts, well within the idle one
+            assert status_of(await get_on(stream)) == 200
+    assert handler.paths == [b"/", b"/"]
+    assert server.statistics().accepted == 1
+
+
+async def test_an_idle_keep_alive_connection_closes_without_408(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, h1_header_timeout=5.0, h1_idle_timeout=0.3)
+        stream = await trio.open_tcp_stream(HOST, server.port)
+        async with stream:
+            assert status_of(await get_on(stream)) == 200
+            assert await read_to_close(stream) == b""  # closed, and nothing said
+    assert handler.paths == [b"/"]
+
+
+# -- the header-field count -----------------------------------------------------------------------
+
+
+def fields(n: int) -> bytes:
+    return b"".join(b"x-f%d: v\r\n" % i for i in range(n))
+
+
+async def test_h1_more_fields_than_the_cap_get_431(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, max_header_count=10)
+        at_cap = await exchange(
+            server.port, b"GET /10 HTTP/1.1\r\nhost: a.test\r\nconnection: close\r\n" + fields(8) + b"\r\n"
+        )
+        assert at_cap.status == 200  # host, connection and 8 more: 10 fields
+        over = await exchange(
+            server.port, b"GET /11 HTTP/1.1\r\nhost: a.test\r\nconnection: close\r\n" + fields(9) + b"\r\n"
+        )
+        assert over.status == 431
+        assert over.replies[0].header(b"connection") == b"close"
+        assert over.replies[0].body == b"431 Request Header Fields Too Large\n"
+    assert handler.paths == [b"/10"]
+
+
+async def test_h1_too_many_fields_get_431_at_the_chain_edge(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        chain = await assemble(nursery)
+        head = b"GET / HTTP/1.1\r\nhost: a.test\r\nconnection: close\r\n"
+        over = await exchange(chain.port, head + fields(ListenerConfig().max_header_count - 1) + b"\r\n")
+        assert over.status == 431
+        ok = await exchange(chain.port, head + fields(50) + b"\r\n")
+        assert ok.status == 200
+    assert chain.worker.statistics().served == {"replica-0": 1}
+
+
+async def test_h2_too_many_fields_get_431_on_their_stream_at_the_chain_edge(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        chain = await assemble(nursery)
+        async with RawH2Client.open(chain.port) as client:
+            extra = [(b"x-f%d" % i, b"v") for i in range(ListenerConfig().max_header_count + 1)]
+            over = await client.request(client.head(b"GET", b"/", *extra))
+            assert not over.connection_lost
+            assert over.status == 431
+            ok = await client.request(client.head(b"GET", b"/", *extra[:50]))
+            assert ok.status == 200
+    assert chain.worker.statistics().served == {"replica-0": 1}
+
+
+# -- the body limit -------------------------------------------------------------------------------
+
+
+def chunked(*sizes: int) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (size, b"x" * size) for size in sizes) + b"0\r\n\r\n"
+
+
+POST = b"POST /up HTTP/1.1\r\nhost: a.test\r\n"
+
+
+@pytest.mark.parametrize("expect", [b"", b"expect: 100-continue\r\n"])
+async def test_a_declared_body_over_the_limit_gets_413_before_the_handler(nursery: trio.Nursery, expect: bytes) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, max_request_body=LIMIT)
+        stream = await trio.open_tcp_stream(HOST, server.port)
+        async with stream:
+            await stream.send_all(POST + expect + b"content-length: %d\r\n\r\n" % (LIMIT + 1))
+            reply = await read_to_close(stream)
+    assert status_of(reply) == 413  # first: no "100 Continue" before it
+    assert b"connection: close" in reply.lower()
+    assert reply.count(b"HTTP/1.1 ") == 1
+    assert handler.paths == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"content-length: %d\r\n\r\n%s" % (LIMIT, b"x" * LIMIT), id="declared"),
+        pytest.param(b"transfer-encoding: chunked\r\n\r\n" + chunked(LIMIT // 2, LIMIT // 2), id="chunked"),
+    ],
+)
+async def test_a_body_exactly_at_the_limit_passes(nursery: trio.Nursery, body: bytes) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, max_request_body=LIMIT)
+        result = await exchange(server.port, POST + b"connection: close\r\n" + body)
+        assert result.status == 200
+        assert result.replies[0].body == b"%d" % LIMIT
+    assert handler.received == [LIMIT]
+    assert handler.errors == []
+
+
+async def test_a_chunked_body_crossing_the_limit_raises_in_the_handler_and_gets_413(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        handler, server = await start(nursery, max_request_body=LIMIT)
+        body = b"transfer-encoding: chunked\r\n\r\n" + chunked(600, 600, 600)
+        result = await exchange(server.port, POST + body)
+        assert result.status == 413
+        assert result.replies[0].header(b"connection") == b"close"
+        assert result.after == b""
+    assert handler.received[0] <= LIMIT
+    assert [type(error) for error in handler.errors] == [type(handler.errors[0])]
+    assert isinstance(handler.errors[0], PayloadTooLarge)
+    assert handler.errors[0].status == 413
+
+
+# -- the body limit at a chain's edge, with an h1 replica behind it ----------------------------------
+
+
+async def limited_chain(nursery: trio.Nursery) -> tuple[Assembled, int, RecordingReplica]:
+    """A recording h1 replica behind a chain, plus a second edge with ``max_request_body=LIMIT``; its port."""
+    replica, local = await start_recording_replica(nursery)
+    chain = await assemble_local(nursery, {"r": local})
+    edge = await nursery.start(
+        functools.partial(
+            serve_edge,
+            EdgeConfig(proxy=(HOST, chain.proxy_server.port)),
+            listener=ListenerConfig(max_request_body=LIMIT),
+        )
+    )
+    return chain, edge.port, replica
+
+
+async def test_the_replica_never_sees_more_than_the_edge_limit(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        chain, port, replica = await limited_chain(nursery)
+        declared = await exchange(port, POST + b"content-length: %d\r\n\r\n" % (LIMIT + 1))
+        assert declared.status == 413
+        assert chain.worker.statistics().served == {"r": 0}  # refused before anything went upstream
+
+        streamed = await exchange(port, POST + b"transfer-encoding: chunked\r\n\r\n" + chunked(600, 600, 600))
+        assert streamed.status == 413
+        assert streamed.replies[0].header(b"connection") == b"close"
+
+        exact = await exchange(
+            port, POST + b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n" + chunked(LIMIT // 2, LIMIT // 2)
+        )
+        assert exact.status == 200
+    # The cut upload's head may or may not have reached the replica before its reset did.
+    cut = [seen for seen in replica.seen if not seen.complete]
+    assert len(cut) <= 1
+    assert all(len(seen.body) <= LIMIT for seen in cut)
+    assert [seen.body for seen in replica.seen if seen.complete] == [b"x" * LIMIT]
+    assert replica.broken == 0
