@@ -40,6 +40,7 @@ import h2.events
 import h2.exceptions
 import h2.frame_buffer
 import h2.settings
+import h2.stream
 import hpack
 import hyperframe.frame
 import trio
@@ -73,6 +74,29 @@ class PlainEncoder(hpack.Encoder):
         return super().encode(headers, huffman=False)
 
 
+class CompressionError(h2.exceptions.ProtocolError):
+    """A header block HPACK cannot decode: a connection error COMPRESSION_ERROR (RFC 9113 4.3)."""
+
+    error_code = h2.errors.ErrorCodes.COMPRESSION_ERROR
+
+
+class CheckedDecoder(hpack.Decoder):
+    """hpack's decoder, whose failures h2 reports with the right error code.
+
+    h2 turns every decoding error into a plain PROTOCOL_ERROR; RFC 9113 4.3
+    asks for COMPRESSION_ERROR. An oversized list stays h2's business (it
+    answers ENHANCE_YOUR_CALM: an HPACK bomb).
+    """
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        try:
+            return super().decode(data, raw)
+        except hpack.OversizedHeaderListError:
+            raise
+        except (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError) as exc:
+            raise CompressionError(f"undecodable header block: {exc}") from exc
+
+
 class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's inbound frame buffer, with the limits a server facing strangers needs.
 
@@ -84,6 +108,7 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
       ``max_header_block`` encoded bytes;
     - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
       whose payload is empty and that end nothing;
+    - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
     - at most ``flood_limit`` control frames per ``flood_window`` seconds:
       SETTINGS, PING, PRIORITY, frames of unknown types, and whatever the
       driver reports through :meth:`control_frame` (window updates that
@@ -103,9 +128,14 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         self._empty = 0  # consecutive empty frames
         self._control = 0  # control frames since _since
         self._since = time.monotonic()
+        self._first = True
 
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type
+        if self._first:
+            if kind != 0x4 or "ACK" in f.flags:
+                raise h2.exceptions.ProtocolError("the client's preface does not go on with SETTINGS")
+            self._first = False
         if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
             data = f.data
             if kind:
@@ -138,6 +168,29 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
 _CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
 
 
+class _LengthUncheckedStream(h2.stream.H2Stream):
+    """An h2 stream that leaves ``content-length`` to proxyblocks.
+
+    h2 checks a request's ``content-length`` against its DATA itself, and a
+    mismatch or a malformed value fails the whole connection; RFC 9113 8.1.1
+    makes it an error of that stream alone. A validating listener checks it
+    per stream instead (``H2ServerConnection``), on streams of this class.
+    """
+
+    def _initialize_content_length(self, headers: Any) -> None:
+        pass
+
+    def _track_content_length(self, length: int, end_stream: bool) -> None:
+        pass
+
+
+class _LengthUncheckedConnection(h2.connection.H2Connection):
+    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> h2.stream.H2Stream:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _LengthUncheckedStream  # same layout; only the two checks differ
+        return stream
+
+
 def make_h2(
     *,
     client_side: bool,
@@ -146,6 +199,7 @@ def make_h2(
     max_header_list_size: int,
     huffman: bool = False,
     guard: GuardedFrameBuffer | None = None,
+    check_lengths: bool = True,
 ) -> h2.connection.H2Connection:
     """An ``H2Connection`` for one side of one hop, with h2's header checks off.
 
@@ -162,7 +216,8 @@ def make_h2(
         validate_outbound_headers=False,
         normalize_outbound_headers=False,
     )
-    conn = h2.connection.H2Connection(config)
+    conn = (h2.connection.H2Connection if check_lengths else _LengthUncheckedConnection)(config)
+    conn.decoder = CheckedDecoder()
     if guard is not None:
         conn.incoming_buffer = guard
     # h2 applies our SETTINGS to its decoder only once the peer acknowledges
@@ -191,6 +246,7 @@ class H2Stream:
         "cancel_scope",
         "closed",
         "error",
+        "expected",
         "head",
         "id",
         "local_ended",
@@ -212,7 +268,8 @@ class H2Stream:
         self.closed = False
         self.local_ended = False
         self.remote_ended = False
-        self.received = 0  # request body bytes (server side, with a body limit)
+        self.received = 0  # request body bytes (server side, when counted)
+        self.expected: int | None = None  # the declared content-length (server side, when counted)
         self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
 
 
@@ -262,6 +319,7 @@ class H2Driver:
         self.backlog = 0  # bytes in _out or inside send_all
         self.backlogged = False  # a DATA sender waits for the backlog to fall
         self.body_limit: int | None = None  # server side: max_request_body
+        self.count_body = False  # server side: count request body bytes (limit, declared length)
         self._max_backlog = max_backlog
         self._marked = False
         # A plain socket can take bytes straight from a reader, without waking
@@ -462,11 +520,8 @@ class H2Driver:
         st = self.streams.get(ev.stream_id)
         data = ev.data or b""
         size = ev.flow_controlled_length or 0
-        if st is not None and self.body_limit is not None:
-            st.received += len(data)
-            if st.received > self.body_limit:
-                self.body_too_large(st, size)
-                return
+        if st is not None and self.count_body and self.body_refused(st, len(data), ev.stream_ended is not None, size):
+            return
         if st is not None and st.splice is not None:
             st.splice.data(self, st, data, size, ev.stream_ended is not None)
             return
@@ -480,8 +535,9 @@ class H2Driver:
             self.h2.acknowledge_received_data(padding, ev.stream_id)
         body.feed(data)
 
-    def body_too_large(self, st: H2Stream, size: int) -> None:
-        """Hook: ``st``'s inbound body crossed ``body_limit`` (this frame was not delivered)."""
+    def body_refused(self, st: H2Stream, length: int, end: bool, size: int) -> bool:
+        """Hook (server side): count ``length`` more body bytes; True if the frame must not be delivered."""
+        return False
 
     def on_trailers(self, ev: h2.events.TrailersReceived) -> None:
         st = self.streams.get(ev.stream_id)

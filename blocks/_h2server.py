@@ -23,8 +23,8 @@ import h2.exceptions
 import trio
 
 from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, make_h2
-from blocks._validate import validate_request_head
-from blocks.errors import BlocksError, PayloadTooLarge, StreamReset
+from blocks._validate import validate_request_head, validate_trailers
+from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
 from blocks.timing import Timing
 
@@ -39,6 +39,7 @@ _NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 _INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
 _CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+_PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
 
 
 class H2ServerConnection(H2Driver):
@@ -69,6 +70,7 @@ class H2ServerConnection(H2Driver):
             max_header_list_size=2 * config.max_header_list_size,
             huffman=config.hpack_huffman,
             guard=guard,
+            check_lengths=not config.validate,  # a validating listener checks them per stream
         )
         super().__init__(
             stream, conn, connection_window=config.connection_window, max_backlog=config.max_outbound_buffer
@@ -81,6 +83,7 @@ class H2ServerConnection(H2Driver):
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
         self.body_limit = config.max_request_body
+        self.count_body = config.validate or self.body_limit is not None
         self._guard = guard
         self._opened = 0  # streams the client opened
         self._last_opened = 0  # the highest of their ids
@@ -92,7 +95,7 @@ class H2ServerConnection(H2Driver):
             h2.events.RequestReceived: self._on_request,
             h2.events.DataReceived: self.on_data,
             h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.TrailersReceived: self.on_trailers,
+            h2.events.TrailersReceived: self._on_trailers if config.validate else self.on_trailers,
             h2.events.StreamReset: self._on_reset,
             h2.events.WindowUpdated: self._on_window_updated,
             h2.events.RemoteSettingsChanged: self.on_settings,
@@ -177,9 +180,13 @@ class H2ServerConnection(H2Driver):
         except BlocksError as exc:
             error = exc
             length = None
-        if length is not None and self.body_limit is not None and length > self.body_limit:
-            error = PayloadTooLarge(f"declared body of {length} bytes is over {self.body_limit}")
+        if length is not None:
+            if self.body_limit is not None and length > self.body_limit:
+                error = PayloadTooLarge(f"declared body of {length} bytes is over {self.body_limit}")
+            st.expected = length
         ended = ev.stream_ended is not None
+        if ended and length and error is None and self.config.validate:
+            error = BadRequest(f"no body, where content-length declares {length} bytes")
         if error is None and self.relay is not None and self.relay(request, self, st, ended):
             return  # spliced: frames are relayed by the readers from now on
         if not ended:
@@ -214,15 +221,46 @@ class H2ServerConnection(H2Driver):
                 headers.append((name, value))
         return length
 
-    def body_too_large(self, st: H2Stream, size: int) -> None:
-        try:
-            self.h2.acknowledge_received_data(size, st.id)
-        except h2.exceptions.ProtocolError:
-            pass
+    def body_refused(self, st: H2Stream, length: int, end: bool, size: int) -> bool:
+        received = st.received = st.received + length
+        limit = self.body_limit
+        if limit is not None and received > limit:
+            self._refuse_body(st, size, PayloadTooLarge(f"request body over {limit} bytes"))
+            return True
+        expected = st.expected
+        if expected is not None and (received > expected or (end and received != expected)):
+            # Malformed (RFC 9113 8.1.1), and never relayed: a hop behind us would see it too.
+            self._refuse_body(st, size, _length_mismatch(received, expected))
+            return True
+        return False
+
+    def _refuse_body(self, st: H2Stream, size: int, error: StreamReset) -> None:
+        """Stop ``st``'s request body here: 413 or 400 downstream if no response started, else a reset."""
+        if size:
+            try:
+                self.h2.acknowledge_received_data(size, st.id)
+            except h2.exceptions.ProtocolError:
+                pass
         if st.splice is not None:
-            st.splice.refuse(413)
-        elif st.body is not None and not st.body.ended:
-            st.body.fail(PayloadTooLarge(f"request body over {self.body_limit} bytes"))
+            st.splice.refuse(error.status)
+        elif st.body is not None and st.body.error is None:
+            st.body.fail(error)
+
+    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+        try:
+            validate_trailers(ev.headers)
+        except BlocksError as exc:
+            # Malformed (RFC 9113 8.1.1): a stream error; the relay, if any, is cancelled with it.
+            st = self.streams.get(ev.stream_id)
+            log.debug("malformed trailers from %s: %s", self.client, exc)
+            if st is not None:
+                self.reset(st, _PROTOCOL_ERROR)
+            return
+        st = self.streams.get(ev.stream_id)
+        if st is not None and st.expected is not None and st.received != st.expected:
+            self._refuse_body(st, 0, _length_mismatch(st.received, st.expected))
+            return
+        self.on_trailers(ev)
 
     def _on_reset(self, ev: h2.events.StreamReset) -> None:
         if ev.stream_id in self.streams:
@@ -321,13 +359,13 @@ class H2ServerConnection(H2Driver):
                     response = error_response(error.status)
                 else:
                     response = await respond(self.handler, request)
-                    body = st.body
-                    if body is not None and isinstance(body.error, PayloadTooLarge) and response.status >= 500:
-                        # The client's upload crossed the limit: that is the answer,
-                        # not whatever a relay made of the cut upload.
+                    refused = st.body.error if st.body is not None else None
+                    if isinstance(refused, StreamReset) and refused.status < 500 and response.status >= 500:
+                        # The client's upload was refused (over the limit, not matching its
+                        # length): that is the answer, not whatever a relay made of the cut.
                         await _abandon(response.body)
                         response.closed()
-                        response = error_response(413)
+                        response = error_response(refused.status)
                 if request.method == b"HEAD" and not response.body.ended:
                     await _abandon(response.body)
                     response.body = empty_body()
@@ -374,6 +412,10 @@ class H2ServerConnection(H2Driver):
             raise StreamReset("stream closed before the response") from exc
         self.kick()  # the head goes now, whenever the body's first bytes come
         await self.send_body(st, body)
+
+
+def _length_mismatch(received: int, expected: int) -> StreamReset:
+    return StreamReset(f"body of {received}+ bytes where content-length says {expected}", status=400)
 
 
 async def _abandon(body: Body) -> None:

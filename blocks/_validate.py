@@ -50,6 +50,17 @@ def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int, max
             raise BadRequest(f"too many header fields: {count} over {max_count}", status=431)
 
 
+def validate_trailers(fields: list[tuple[bytes, bytes]]) -> None:
+    """Trailers follow the field rules of a head, and carry no pseudo-header (RFC 9113 8.1)."""
+    for name, value in fields:
+        if not _NAME.match(name):
+            raise BadRequest(f"bad trailer name {name[:64]!r}")
+        if _BAD_VALUE.search(value):
+            raise BadRequest(f"bad value for trailer {name.decode()}")
+        if name in _CONNECTION_SPECIFIC:
+            raise BadRequest(f"connection-specific trailer {name.decode()}")
+
+
 def check_authority(authority: bytes) -> bytes:
     """``authority`` in canonical form (lowercase); 400 unless it is a plain ``host[:port]``."""
     if not _AUTHORITY.match(authority):

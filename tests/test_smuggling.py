@@ -539,11 +539,6 @@ async def test_h2_body_not_matching_content_length_never_reaches_the_replica_who
     assert replica.broken == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="h2 checks content-length itself and fails the whole connection (GOAWAY PROTOCOL_ERROR): "
-    "_h2server/_h2 must check it per stream (RFC 9113 8.1.1: a malformed request is a stream error)",
-)
 @pytest.mark.parametrize(("lengths", "frames"), BODY_MISMATCHES)
 async def test_h2_body_not_matching_content_length_is_a_stream_error(
     nursery: trio.Nursery, lengths: list[bytes], frames: list[bytes]
