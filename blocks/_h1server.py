@@ -74,17 +74,19 @@ class H1RequestBody(H1Body):
     :class:`~blocks.errors.StreamReset` too) instead. ``status`` is set when
     the body broke through the client's fault (400 for bad chunked framing,
     413 for the limit): that, not whatever a relay made of the cut upload,
-    is the answer.
+    is the answer. With a ``deadline`` (``request_body_timeout``), a body
+    still unfinished then fails with 408.
     """
 
-    __slots__ = ("_limit", "_received", "status")
+    __slots__ = ("_deadline", "_limit", "_received", "status")
 
     peer = "client"
 
-    def __init__(self, h1: H1Stream, length: int | None, limit: int | None) -> None:
+    def __init__(self, h1: H1Stream, length: int | None, limit: int | None, deadline: float | None = None) -> None:
         super().__init__(h1, length)
         self._limit = limit
         self._received = 0
+        self._deadline = deadline
         self.status: int | None = None
 
     async def receive(self) -> bytes:
@@ -92,7 +94,15 @@ class H1RequestBody(H1Body):
         if not self._done and h1.conn.they_are_waiting_for_100_continue:
             await h1.stream.send_all(h1.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
         try:
-            data = await super().receive()
+            if self._deadline is None:
+                data = await super().receive()
+            else:
+                with trio.move_on_at(self._deadline) as late:
+                    data = await super().receive()
+                if late.cancelled_caught:
+                    self.finished(False)
+                    self.status = 408
+                    raise StreamReset("request body too slow", status=408)
         except StreamReset as exc:
             cause = exc.__cause__
             if isinstance(cause, h11.RemoteProtocolError) and self.status is None:
@@ -154,7 +164,9 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
         raise PayloadTooLarge(f"declared body of {length} bytes is over {limit}")
     body: Body
     if chunked or length:
-        body = H1RequestBody(reader, length, limit)
+        timeout = config.request_body_timeout
+        deadline = None if timeout is None else trio.current_time() + timeout
+        body = H1RequestBody(reader, length, limit, deadline)
     else:
         # h11 has the (empty) end of this message already: take it now, so the
         # connection is ready for the next request once the response is out.

@@ -243,6 +243,7 @@ class H2Stream:
 
     __slots__ = (
         "body",
+        "body_deadline",
         "cancel_scope",
         "closed",
         "error",
@@ -254,6 +255,7 @@ class H2Stream:
         "remote_ended",
         "signal",
         "splice",
+        "stalled_since",
         "window",
     )
 
@@ -270,6 +272,8 @@ class H2Stream:
         self.remote_ended = False
         self.received = 0  # request body bytes (server side, when counted)
         self.expected: int | None = None  # the declared content-length (server side, when counted)
+        self.stalled_since: float | None = None  # since when sending on it waits for a window or the writer
+        self.body_deadline: float | None = None  # server side: when its request body must have ended
         self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
 
 
@@ -577,6 +581,7 @@ class H2Driver:
         """Send ``data`` on ``st`` as its send windows allow, waiting for them."""
         conn = self.h2
         sid = st.id
+        progressed = False
         while True:
             if st.closed or self.closed:
                 raise StreamReset("stream closed by peer")
@@ -592,15 +597,20 @@ class H2Driver:
             if size <= window and size <= frame:
                 conn.send_data(sid, data, end_stream=end_stream)
                 self.kick()
+                st.stalled_since = None
                 return
             if window > 0:
                 n = min(window, frame)
                 conn.send_data(sid, data[:n])
                 data = data[n:]
                 self.kick()
+                progressed = True
                 continue
             if st.window is None:
                 st.window = Signal()
+            if progressed or st.stalled_since is None:
+                st.stalled_since = trio.current_time()  # stalled since the last progress
+                progressed = False
             await st.window.wait()
 
     async def send_body(self, st: H2Stream, body: Body) -> None:

@@ -14,6 +14,7 @@ is done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, make_h2
+from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, flush_marked, make_h2
 from blocks._validate import validate_request_head, validate_trailers
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
@@ -108,6 +109,7 @@ class H2ServerConnection(H2Driver):
             self._nursery = nursery
             nursery.start_soon(self.writer)
             nursery.start_soon(self._reader, initial)
+            nursery.start_soon(self._watchdog)
             if self.draining:
                 self._begin_drain()
             await self._done.wait()
@@ -185,6 +187,10 @@ class H2ServerConnection(H2Driver):
                 error = PayloadTooLarge(f"declared body of {length} bytes is over {self.body_limit}")
             st.expected = length
         ended = ev.stream_ended is not None
+        if ended:
+            st.remote_ended = True
+        elif self.config.request_body_timeout is not None:
+            st.body_deadline = trio.current_time() + self.config.request_body_timeout
         if ended and length and error is None and self.config.validate:
             error = BadRequest(f"no body, where content-length declares {length} bytes")
         if error is None and self.relay is not None and self.relay(request, self, st, ended):
@@ -297,6 +303,7 @@ class H2ServerConnection(H2Driver):
     def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None:
+            st.remote_ended = True
             if st.splice is not None:
                 st.splice.ended(st)
             elif st.body is not None:
@@ -322,6 +329,49 @@ class H2ServerConnection(H2Driver):
             except h2.exceptions.ProtocolError:
                 pass
             self.mark_closed()
+
+    # -- timeouts ----------------------------------------------------------------------
+
+    async def _watchdog(self) -> None:
+        """The connection's timeouts, checked a few times per the shortest of them.
+
+        - ``stall_timeout``: a stream that has waited that long to send (the
+          client's window stays shut, or the client does not read) is reset,
+          and whatever feeds it upstream is cancelled;
+        - ``request_body_timeout``: a request body not ended by then gets
+          408 (or a reset, once the response started);
+        - ``h2_idle_timeout``: a connection without streams that long is
+          closed with GOAWAY(NO_ERROR).
+
+        Nothing on the request path reads a clock for this: a stream notes
+        the time only when it starts waiting.
+        """
+        config = self.config
+        timeouts = [config.stall_timeout, config.h2_idle_timeout]
+        if config.request_body_timeout is not None:
+            timeouts.append(config.request_body_timeout)
+        period = min(timeouts) / 4
+        idle_since = trio.current_time()
+        while not self.closed:
+            await trio.sleep(period)
+            now = trio.current_time()
+            if not self.streams:
+                if now - idle_since >= config.h2_idle_timeout and not self.closed:
+                    log.debug("closing the idle connection of %s", self.client)
+                    with contextlib.suppress(h2.exceptions.ProtocolError):
+                        self.h2.close_connection(last_stream_id=self._last_opened)
+                    self.mark_closed()
+                continue
+            idle_since = now
+            for st in list(self.streams.values()):
+                if st.closed:
+                    continue
+                if st.stalled_since is not None and now - st.stalled_since >= config.stall_timeout:
+                    log.debug("stream %d of %s stalled for %.1f s", st.id, self.client, now - st.stalled_since)
+                    self.reset(st, _CANCEL)
+                elif st.body_deadline is not None and not st.remote_ended and now >= st.body_deadline:
+                    self._refuse_body(st, 0, StreamReset("request body too slow", status=408))
+            flush_marked()  # what the resets queued on spliced upstream connections
 
     # -- drain ---------------------------------------------------------------------
 

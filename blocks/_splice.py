@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import h2.errors
 import h2.exceptions
+import trio
 
 from blocks._h2 import BACKLOG_HIGH
 from blocks.errors import BlocksError
@@ -83,6 +84,7 @@ class _Pipe:
         sid = self.dst_st.id
         src = self.src.h2
         src_sid = self.src_st.id
+        progressed = False
         while data:
             if self.dst.backlog >= BACKLOG_HIGH:
                 self.dst.backlogged = True  # its writer wakes the windows when it drains
@@ -91,6 +93,8 @@ class _Pipe:
                 room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
             if room <= 0:
                 self.pending.appendleft(data)
+                if progressed or self.dst_st.stalled_since is None:
+                    self.dst_st.stalled_since = trio.current_time()  # stalled since the last progress
                 return False
             if len(data) <= room:
                 # The common case: the whole chunk, with END_STREAM when it is the last.
@@ -104,14 +108,20 @@ class _Pipe:
             dst.send_data(sid, data[:room])
             _ack(src, room, src_sid)
             data = data[room:]
+            progressed = True
         return True
 
     def flush(self) -> None:
         """The destination's window may have opened."""
         pending = self.pending
+        moved = False
         while pending:
             if not self._push(pending.popleft()):
+                if moved:
+                    self.dst_st.stalled_since = trio.current_time()
                 return
+            moved = True
+        self.dst_st.stalled_since = None
         if self.ended and not self.done:
             self._finish()
 

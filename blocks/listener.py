@@ -73,6 +73,9 @@ class ListenerConfig:
     max_empty_frames: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     max_outbound_buffer: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(64 * 1024))
     h1_header_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    stall_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    request_body_timeout: float | None = attrs.field(default=None, validator=_none_or_positive)
+    h2_idle_timeout: float = attrs.field(default=300.0, validator=attrs.validators.gt(0))
     tls_handshake_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     first_bytes_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     h1_idle_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
@@ -202,7 +205,7 @@ class _Connection:
             scheme = b"https"
         else:
             scheme = b"http"
-            with trio.move_on_after(config.first_bytes_timeout):
+            with trio.move_on_after(config.first_bytes_timeout) as sniffing:
                 while len(initial) < len(H2_PREFACE):
                     data = await transport.receive_some(65536)
                     if not data:
@@ -210,8 +213,8 @@ class _Connection:
                     initial += data
                     if not H2_PREFACE.startswith(initial[: len(H2_PREFACE)]):
                         break
-            if not initial:
-                return
+            if not initial or (sniffing.cancelled_caught and H2_PREFACE.startswith(initial)):
+                return  # nothing, or a preface too slow to finish: close silently
             is_h2 = initial.startswith(H2_PREFACE)
         if is_h2:
             self.proto = H2ServerConnection(

@@ -302,3 +302,29 @@ async def test_the_replica_never_sees_more_than_the_edge_limit(nursery: trio.Nur
     assert all(len(seen.body) <= LIMIT for seen in cut)
     assert [seen.body for seen in replica.seen if seen.complete] == [b"x" * LIMIT]
     assert replica.broken == 0
+
+
+async def test_a_body_that_trickles_past_request_body_timeout_gets_408(nursery: trio.Nursery) -> None:
+    """One byte every 0.2 s of a declared 100 with ``request_body_timeout=1``: 408 and a close;
+    the handler saw fewer than the 100 bytes and no end."""
+    with trio.fail_after(10):
+        handler, server = await start(nursery, request_body_timeout=1.0)
+        async with await trio.open_tcp_stream(HOST, server.port) as stream:
+            await stream.send_all(b"POST / HTTP/1.1\r\nhost: a.test\r\ncontent-length: 100\r\n\r\n")
+            started = trio.current_time()
+            async with trio.open_nursery() as trickle:
+
+                async def one_byte_at_a_time() -> None:
+                    for _ in range(100):
+                        try:
+                            await stream.send_all(b"x")
+                        except trio.BrokenResourceError:
+                            return
+                        await trio.sleep(0.2)
+
+                trickle.start_soon(one_byte_at_a_time)
+                reply = await read_to_close(stream)
+                trickle.cancel_scope.cancel()
+        assert status_of(reply) == 408
+        assert trio.current_time() - started >= 1.0
+        assert handler.received and handler.received[0] < 100

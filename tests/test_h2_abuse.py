@@ -9,6 +9,7 @@ over is refused) and, where the issue names figures, at the defaults.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 
@@ -371,3 +372,131 @@ async def test_a_streamed_body_past_the_limit_fails_the_handlers_read(nursery: t
             reply = await raw.until(lambda f: isinstance(f, hf.HeadersFrame) and f.stream_id == 1)
             assert reply is not None and raw.status(1) == b"413"
         assert counter.received == [0]
+
+
+# -- 5. timeouts ----------------------------------------------------------------------------------
+
+
+class Streamer:
+    """A replica streaming ``/big`` (10 MiB) that notes whether the chain cancelled it."""
+
+    def __init__(self) -> None:
+        self.cancelled = trio.Event()
+
+    async def __call__(self, request: Request) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                for _ in range(160):
+                    yield b"x" * 65536
+            except BaseException:
+                self.cancelled.set()
+                raise
+
+        return Response(200, [], IterBody(chunks()))
+
+
+async def test_a_zero_window_stalls_only_until_stall_timeout_and_the_replica_stream_is_cancelled(
+    nursery: trio.Nursery,
+) -> None:
+    """Through the chain (the spliced path): a client that never opens its window is reset
+    after ``stall_timeout``, the replica's stream is cancelled, and the connection lives on."""
+    with trio.fail_after(15):
+        streamer = Streamer()
+        replica: HTTPServer = await nursery.start(functools.partial(serve_http, streamer))
+        chain = await assemble_local(nursery, {"r0": LocalReplica((HOST, replica.port), "h2")})
+        edge: HTTPServer = await nursery.start(
+            functools.partial(
+                serve_edge,
+                EdgeConfig(proxy=(HOST, chain.proxy_server.port)),
+                listener=ListenerConfig(stall_timeout=1.0),
+            )
+        )
+        async with RawFrames.open(edge.port, settings={hf.SettingsFrame.INITIAL_WINDOW_SIZE: 0}) as raw:
+            await raw.send(raw.request(1, b"/big"))
+            started = trio.current_time()
+            reset = await raw.until(lambda f: isinstance(f, hf.RstStreamFrame | hf.GoAwayFrame))
+            assert isinstance(reset, hf.RstStreamFrame) and reset.stream_id == 1
+            assert trio.current_time() - started >= 1.0
+            await streamer.cancelled.wait()
+            await raw.send(hf.PingFrame(0, opaque_data=b"stillok?"))
+            pong = await raw.until(lambda f: isinstance(f, hf.PingFrame))
+            assert pong is not None and pong.opaque_data == b"stillok?"
+
+
+async def test_a_slow_reader_that_makes_progress_is_not_reset(nursery: trio.Nursery) -> None:
+    """The stall clock restarts with every bit of progress: a reader opening 16 KiB every 0.2 s
+    keeps its stream for three times ``stall_timeout``; one that stops is reset (the task path)."""
+    with trio.fail_after(15):
+        server = await listener(nursery, stall_timeout=0.6)
+        async with RawFrames.open(server.port, settings={hf.SettingsFrame.INITIAL_WINDOW_SIZE: 16384}) as raw:
+            await raw.send(raw.request(1, b"/big"))
+            received = 0
+            with trio.move_on_after(1.8):
+                while True:
+                    frame = await raw.next_frame()
+                    assert not isinstance(frame, hf.RstStreamFrame | hf.GoAwayFrame) and frame is not None
+                    if isinstance(frame, hf.DataFrame) and frame.data:
+                        received += len(frame.data)
+                        await trio.sleep(0.2)
+                        await raw.send(
+                            hf.WindowUpdateFrame(1, window_increment=len(frame.data)),
+                            hf.WindowUpdateFrame(0, window_increment=len(frame.data)),
+                        )
+            assert received >= 4 * 16384
+            reset = await raw.until(lambda f: isinstance(f, hf.RstStreamFrame))
+            assert reset is not None and reset.stream_id == 1
+
+
+async def test_a_request_body_that_trickles_past_request_body_timeout_gets_408(nursery: trio.Nursery) -> None:
+    """One byte every 0.2 s with ``request_body_timeout=1``: 408, and the handler never saw the end."""
+    with trio.fail_after(10):
+        counter = BodyCounter()
+        server: HTTPServer = await nursery.start(
+            functools.partial(serve_http, counter, config=ListenerConfig(request_body_timeout=1.0))
+        )
+        async with RawFrames.open(server.port) as raw:
+            await raw.send(hf.HeadersFrame(1, raw.block(b"/", method=b"POST"), flags=["END_HEADERS"]))
+            started = trio.current_time()
+            async with trio.open_nursery() as trickle:
+
+                async def one_byte_at_a_time() -> None:
+                    for _ in range(50):
+                        if not await raw.send(hf.DataFrame(1, b"x")):
+                            return
+                        await trio.sleep(0.2)
+
+                trickle.start_soon(one_byte_at_a_time)
+                reply = await raw.until(lambda f: isinstance(f, hf.HeadersFrame | hf.RstStreamFrame))
+                trickle.cancel_scope.cancel()
+            assert trio.current_time() - started >= 1.0
+            assert isinstance(reply, hf.HeadersFrame) and raw.status(1) == b"408"
+        assert counter.received and counter.received[0] < 50
+
+
+async def test_a_slow_preface_is_closed_by_first_bytes_timeout(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        server = await listener(nursery, first_bytes_timeout=0.5)
+        async with await trio.open_tcp_stream(HOST, server.port) as stream:
+            started = trio.current_time()
+            with trio.move_on_after(5), contextlib.suppress(trio.BrokenResourceError):
+                for byte in b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n":
+                    await stream.send_all(bytes([byte]))
+                    await trio.sleep(0.2)
+            with trio.move_on_after(5), contextlib.suppress(trio.BrokenResourceError):
+                while await stream.receive_some(1024):
+                    pass
+            assert trio.current_time() - started < 2.5
+        assert server.statistics().connections == 0
+
+
+async def test_an_idle_h2_connection_is_closed_after_h2_idle_timeout(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        server = await listener(nursery, h2_idle_timeout=0.5)
+        async with RawFrames.open(server.port) as raw:
+            await raw.send(raw.request(1))  # one exchange, then nothing
+            await raw.until(lambda f: isinstance(f, hf.DataFrame) and "END_STREAM" in f.flags)
+            done = trio.current_time()
+            goaway = await raw.goaway()
+            assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
+            assert goaway.last_stream_id == 1
+            assert trio.current_time() - done >= 0.5
