@@ -83,6 +83,7 @@ class H2ServerConnection(H2Driver):
         self.scheme = scheme
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
+        self._final_goaway_sent = False
         self.body_limit = config.max_request_body
         self.count_body = config.validate or self.body_limit is not None
         self._guard = guard
@@ -324,10 +325,9 @@ class H2ServerConnection(H2Driver):
 
     def stream_closed(self, st: H2Stream) -> None:
         if self._last_stream_id is not None and not self.streams and not self.closed:
-            try:
-                self.h2.close_connection(last_stream_id=self._last_stream_id)
-            except h2.exceptions.ProtocolError:
-                pass
+            if not self._final_goaway_sent:  # (the client's GOAWAY ended it: ours goes now)
+                with contextlib.suppress(h2.exceptions.ProtocolError):
+                    self.h2.close_connection(last_stream_id=self._last_stream_id)
             self.mark_closed()
 
     # -- timeouts ----------------------------------------------------------------------
@@ -391,8 +391,13 @@ class H2ServerConnection(H2Driver):
 
     async def _final_goaway(self) -> None:
         await trio.sleep(self.config.drain_goaway_delay)
+        if self.closed:
+            return
+        # Streams the client opened until now are served; later ones are refused.
         self._last_stream_id = self.h2.highest_inbound_stream_id
-        if not self.streams and not self.closed:
+        self.send_graceful_goaway(self._last_stream_id)
+        self._final_goaway_sent = True
+        if not self.streams:
             self.stream_closed(H2Stream(0))
 
     # -- streams -------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import AsyncIterator
 
 import h2.errors
@@ -500,3 +501,38 @@ async def test_an_idle_h2_connection_is_closed_after_h2_idle_timeout(nursery: tr
             assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
             assert goaway.last_stream_id == 1
             assert trio.current_time() - done >= 0.5
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_an_allowed_200_mb_upload_streams_through_the_chain_in_bounded_memory(nursery: trio.Nursery) -> None:
+    """200 MiB up through edge, proxy and worker (all in this process) to a replica that counts
+    it: every byte arrives, and this process never holds 10 MiB more than before."""
+    with trio.fail_after(120):
+        port, counter = await limited_edge(nursery, 256 * MB)
+        chunk = b"u" * 65536
+
+        async def upload() -> AsyncIterator[bytes]:
+            for _ in range(200 * MB // len(chunk)):
+                yield chunk
+
+        baseline = resident_bytes()
+        peak = baseline
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, resident_bytes())
+                await trio.sleep(0.02)
+
+        async with trio.open_nursery() as watching:
+            watching.start_soon(watch)
+            async with httpx.AsyncClient(http2=True, http1=False, trust_env=False, timeout=100) as client:
+                response = await client.post(f"http://{HOST}:{port}/", content=upload())
+            watching.cancel_scope.cancel()
+        assert response.status_code == 200 and response.text == f"{200 * MB}\n"
+        assert counter.received == [200 * MB]
+        assert peak - baseline < 10 * MB, f"{(peak - baseline) / MB:.1f} MiB more at the peak"
