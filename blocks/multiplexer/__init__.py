@@ -1,0 +1,165 @@
+"""The stream multiplexer, client side: pooled upstream connections.
+
+:func:`open_upstreams` gives a service-lifetime :class:`Upstreams` whose
+:meth:`~Upstreams.request` sends a request to an address and returns the
+response as soon as its head arrives; the body streams after it.
+
+HTTP/2 upstreams (the default): per address, a list of connections; a
+request takes a stream slot on the first connection below the peer's
+*current* ``SETTINGS_MAX_CONCURRENT_STREAMS`` (re-read on every
+admission), a further connection is opened when all are full (up to
+``max_connections``), and the slot is released on every path: response
+done, reset, timeout, cancellation, connection loss. Connections are
+opened in the pool's own nursery, never in a request's cancel scope, so a
+request that gives up never leaves others waiting on a half-made connection.
+
+GOAWAY and safe retry (RFC 9113 8.7). A connection that receives GOAWAY
+takes no new stream (new requests choose or open another connection; a
+draining connection does not count toward ``max_connections``); its streams
+at or below the GOAWAY's last stream id finish normally, and those above it,
+like a stream reset with ``REFUSED_STREAM``, were never processed. Such a
+request is retried once on another connection to the same address when none
+of its body has gone upstream yet, on the awaiting path and the spliced one
+alike; a second refusal, or a refusal after the first body byte, is a 503
+(a spliced stream answers 502, as it does any failure before the head).
+Nothing else is ever retried.
+
+HTTP/1.1 upstreams: a keep-alive pool of idle connections per address, one
+request per connection at a time. A reused connection that turns out to be
+closed is retried once on a fresh one when nothing of the request body was
+sent.
+
+Request bodies are pumped by a task in the pool's nursery (it outlives a
+refused first stream), so a handler can return the response (and a listener
+start sending it) while the upload is still going: bidirectional streaming.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from blocks._h2 import H2Driver, H2Stream
+from blocks._splice import HeadFilter
+from blocks.http import Headers, Request, Response
+from blocks.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.multiplexer._h1pool import _H1Pool
+from blocks.multiplexer._h2pool import _H2Pool
+from blocks.routing import Address
+
+log = logging.getLogger("blocks.multiplexer")
+
+__all__ = ["PoolStatistics", "UpstreamConfig", "Upstreams", "open_upstreams"]
+
+
+# -- the service ----------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Upstreams:
+    """Every upstream pool of one hop. Use :func:`open_upstreams`."""
+
+    config: UpstreamConfig
+    _nursery: trio.Nursery
+    _pools: dict[tuple[Address, str], Any] = attrs.field(factory=dict)
+
+    def statistics(self) -> list[PoolStatistics]:
+        return [pool.statistics() for pool in self._pools.values()]
+
+    async def _sweep(self) -> None:
+        # One timer for every response-head deadline of this hop: far cheaper
+        # than a cancel scope per request, at the cost of this resolution.
+        resolution = self.config.timeout_resolution
+        while True:
+            await trio.sleep(resolution)
+            now = trio.current_time()
+            for pool in self._pools.values():
+                if type(pool) is _H2Pool and pool.waiting:
+                    pool.expire(now)
+
+    def splice(
+        self,
+        address: Address,
+        request: Request,
+        headers: Headers,
+        down: H2Driver,
+        down_st: H2Stream,
+        *,
+        request_ended: bool,
+        head_filter: HeadFilter | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> bool:
+        """The fast path: join ``down_st`` to a new h2 stream to ``address``, if one is free now.
+
+        Returns False, having done nothing, when no pooled connection has a
+        free stream slot (the caller then takes the awaiting path, which may
+        open one). ``on_close`` runs once when the exchange ends, however it ends.
+        A stream the upstream refuses before any request body byte went up is
+        spliced once more, on another connection (opened if need be).
+        """
+        pool = self._pools.get((address, "h2"))
+        if pool is None:
+            return False
+        done: bool = pool.splice(request, headers, down, down_st, request_ended, head_filter, on_close)
+        return done
+
+    async def request(
+        self,
+        address: Address,
+        request: Request,
+        headers: Headers,
+        *,
+        protocol: str = "h2",
+        timeout: float | None = None,
+    ) -> Response:
+        """Send ``request`` (its method, scheme, authority, path and body) with ``headers``.
+
+        Returns once the response head arrived. Raises
+        :class:`~blocks.errors.UpstreamConnectError` (502) when the upstream
+        cannot be reached, :class:`~blocks.errors.UpstreamTimeout` (504) when
+        no head comes within ``timeout`` (default ``response_timeout``),
+        :class:`~blocks.errors.UpstreamProtocolError` (502) when the stream
+        dies before its head.
+
+        On h2, a stream the upstream never processed (``REFUSED_STREAM``, or
+        above a GOAWAY's last stream id) is sent once more on another
+        connection if none of the request body had gone up yet, with a
+        ``timeout`` of its own; refused again, or refused after the first
+        body byte, it is an ``UpstreamProtocolError`` with status 503.
+        """
+        pool = self._pools.get((address, protocol))
+        if pool is None:
+            if protocol == "h2":
+                pool = _H2Pool(address, self.config, self._nursery)
+            elif protocol == "h1":
+                pool = _H1Pool(address, self.config, self._nursery)
+            else:
+                raise ValueError(f"unknown upstream protocol {protocol!r}")
+            self._pools[(address, protocol)] = pool
+        response: Response = await pool.request(
+            request, headers, self.config.response_timeout if timeout is None else timeout
+        )
+        return response
+
+
+@asynccontextmanager
+async def open_upstreams(config: UpstreamConfig | None = None) -> AsyncIterator[Upstreams]:
+    """The upstream pools of one hop, alive for the ``async with`` block.
+
+    Leaving the block closes every pooled connection.
+    """
+    async with trio.open_nursery() as nursery:
+        upstreams = Upstreams(config or UpstreamConfig(), nursery)
+        nursery.start_soon(upstreams._sweep)
+        try:
+            yield upstreams
+        finally:
+            nursery.cancel_scope.cancel()
+            for pool in upstreams._pools.values():
+                if type(pool) is _H1Pool:
+                    pool.close_idle()

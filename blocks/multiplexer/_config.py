@@ -1,0 +1,43 @@
+"""Configuration and statistics of the upstream pools."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+from blocks.routing import Address
+
+log = logging.getLogger("blocks.multiplexer")
+
+
+@attrs.frozen(kw_only=True)
+class UpstreamConfig:
+    """Knobs of the upstream pools. Durations in seconds.
+
+    ``response_timeout`` bounds the wait for a response head (504 past it),
+    checked every ``timeout_resolution`` seconds; a streaming body after the
+    head is not bounded by it.
+    """
+
+    connect_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    response_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    max_connections: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    max_streams_per_connection: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    max_idle_h1: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    stream_window: int = attrs.field(default=256 * 1024, validator=attrs.validators.ge(65535))
+    connection_window: int = attrs.field(default=16 * 1024 * 1024, validator=attrs.validators.ge(65535))
+    max_header_list_size: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1024))
+    timeout_resolution: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+
+
+@attrs.frozen
+class PoolStatistics:
+    """One pool: its open connections (draining ones included), the streams
+    on them, and how many refused requests it retried on another connection."""
+
+    address: Address
+    protocol: str
+    connections: int
+    active_streams: int
+    retries: int = 0
