@@ -475,18 +475,17 @@ async def test_a_request_body_that_trickles_past_request_body_timeout_gets_408(n
 
 
 async def test_a_slow_preface_is_closed_by_first_bytes_timeout(nursery: trio.Nursery) -> None:
+    """The 24-byte preface at one byte per 0.2 s, ``first_bytes_timeout=0.5``: closed mid-preface."""
     with trio.fail_after(10):
         server = await listener(nursery, first_bytes_timeout=0.5)
+        sent = 0
         async with await trio.open_tcp_stream(HOST, server.port) as stream:
-            started = trio.current_time()
-            with trio.move_on_after(5), contextlib.suppress(trio.BrokenResourceError):
+            with contextlib.suppress(trio.BrokenResourceError):
                 for byte in b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n":
                     await stream.send_all(bytes([byte]))
+                    sent += 1
                     await trio.sleep(0.2)
-            with trio.move_on_after(5), contextlib.suppress(trio.BrokenResourceError):
-                while await stream.receive_some(1024):
-                    pass
-            assert trio.current_time() - started < 2.5
+        assert sent < 24, "the server waited for the whole slow preface"
         assert server.statistics().connections == 0
 
 
