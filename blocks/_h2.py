@@ -321,6 +321,7 @@ class H2Driver:
         self._out: list[bytes] = []  # bytes taken from h2, waiting for the writer
         self._sending = False  # the writer is inside send_all
         self.backlog = 0  # bytes in _out or inside send_all
+        self.pushed = 0  # DATA bytes splices gave h2 since the last flush (not in backlog yet)
         self.backlogged = False  # a DATA sender waits for the backlog to fall
         self.body_limit: int | None = None  # server side: max_request_body
         self.count_body = False  # server side: count request body bytes (limit, declared length)
@@ -372,6 +373,7 @@ class H2Driver:
 
     def _flush_now(self) -> None:
         self._marked = False
+        self.pushed = 0
         data = self.h2.data_to_send()
         if not data:
             return

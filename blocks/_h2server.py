@@ -41,6 +41,7 @@ _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 _INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
 _CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 _PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
+_UNLIMITED = 2**62  # a limit set to None
 
 
 class H2ServerConnection(H2Driver):
@@ -58,8 +59,8 @@ class H2ServerConnection(H2Driver):
     ) -> None:
         guard = GuardedFrameBuffer(
             max_header_block=config.max_header_list_size,
-            max_empty=config.max_empty_frames,
-            flood_limit=config.flood_limit,
+            max_empty=config.max_empty_frames if config.max_empty_frames is not None else _UNLIMITED,
+            flood_limit=config.flood_limit if config.flood_limit is not None else _UNLIMITED,
             flood_window=config.flood_window,
         )
         conn = make_h2(
@@ -274,7 +275,8 @@ class H2ServerConnection(H2Driver):
             # Rapid reset (CVE-2023-44487): a client that cancels most of what
             # it opens makes us do work for nothing. Cancelling some is normal.
             self._resets += 1
-            if self._resets > self.config.max_client_resets and 2 * self._resets > self._opened:
+            limit = self.config.max_client_resets
+            if limit is not None and self._resets > limit and 2 * self._resets > self._opened:
                 self.calm(f"{self._resets} of {self._opened} streams reset by the client")
                 return
         self.on_reset(ev)

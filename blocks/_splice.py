@@ -86,7 +86,10 @@ class _Pipe:
         src_sid = self.src_st.id
         progressed = False
         while data:
-            if self.dst.backlog >= BACKLOG_HIGH:
+            if self.dst.backlog + self.dst.pushed >= BACKLOG_HIGH:
+                # Counting what this batch already gave h2: a writer that drains
+                # wakes every waiting splice at once, and together they must not
+                # overshoot.
                 self.dst.backlogged = True  # its writer wakes the windows when it drains
                 room = 0
             else:
@@ -100,12 +103,14 @@ class _Pipe:
                 # The common case: the whole chunk, with END_STREAM when it is the last.
                 last = self.ended and not self.pending and self.trailers is None
                 dst.send_data(sid, data, end_stream=last)
+                self.dst.pushed += len(data)
                 _ack(src, len(data), src_sid)
                 if last:
                     self.done = True
                     self.dst_st.local_ended = True
                 return True
             dst.send_data(sid, data[:room])
+            self.dst.pushed += room
             _ack(src, room, src_sid)
             data = data[room:]
             progressed = True

@@ -38,10 +38,21 @@ from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
 from blocks.errors import BlocksError, NoRoute, StreamReset
 from blocks.fair_queue import Grant, SchedulerConfig
-from blocks.http import HOP_BY_HOP, Headers, Request, Response
+from blocks.http import HOP_BY_HOP, BytesBody, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.load import (
+    LOAD_PATH,
+    PROBE_HEADER,
+    AutoscaleSignal,
+    LoadEstimator,
+    ProberAware,
+    ProberConfig,
+    ReplicaLoad,
+    encode_load,
+)
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import Address, LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, RouteTable
+from blocks.prober import open_prober
+from blocks.routing import Address, LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
 from blocks.timing import Timing, add_server_timing
 
@@ -301,11 +312,15 @@ class ProxyStatistics:
 
 
 class Proxy(Hop):
-    """Routes by authority from an in-memory :class:`RouteTable`; never awaits for a decision."""
+    """Routes by authority from in-memory :class:`~blocks.routing.Routes`; never awaits for a decision.
+
+    ``routes`` is a static :class:`~blocks.routing.RouteTable` or a
+    :class:`~blocks.routing.RouteCache` that a route source keeps current.
+    """
 
     def __init__(
         self,
-        routes: RouteTable,
+        routes: Routes,
         upstreams: Upstreams,
         *,
         policy: Policy | None = None,
@@ -313,9 +328,11 @@ class Proxy(Hop):
         scheduler: Scheduler | None = None,
         tenant_key: TenantKey | None = None,
         outliers: OutlierDetector | None = None,
+        load: LoadEstimator | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
         self.outliers = outliers
+        self.load = load  # told of every dispatch and completion (the prober's correction)
         super().__init__(self.config.name, upstreams, scheduler=scheduler, tenant_key=tenant_key)
         self.routes = routes
         self.policy: Policy = policy or LeastInFlight()
@@ -341,15 +358,27 @@ class Proxy(Hop):
             )
         outliers = self.outliers
         if outliers is None:
-            replica = self.policy.pick(candidates, self.in_flight)
+            replica = self.policy.pick(request, candidates, self.in_flight)
         else:
-            replica = self.policy.pick(outliers.selectable(candidates, trio.current_time()), self.in_flight)
+            replica = self.policy.pick(request, outliers.selectable(candidates, trio.current_time()), self.in_flight)
         timing.phase(self._phase, perf_counter() - start)
         name = replica.name
         self.in_flight[name] = self.in_flight.get(name, 0) + 1
+        if self.load is not None:
+            self.load.dispatched(name)
         headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
         on_status = None if outliers is None else functools.partial(_record_outcome, outliers, replica)
-        return Forward(replica.worker, headers, on_close=_decrement(self.in_flight, name), on_status=on_status)
+        return Forward(replica.worker, headers, on_close=self._release(name), on_status=on_status)
+
+    def _release(self, name: str) -> Callable[[], None]:
+        in_flight, load = self.in_flight, self.load
+
+        def done() -> None:
+            in_flight[name] -= 1
+            if load is not None:
+                load.completed(name)
+
+        return done
 
 
 def _record_outcome(outliers: OutlierDetector, replica: Replica, status: int) -> None:
@@ -361,10 +390,15 @@ def _record_outcome(outliers: OutlierDetector, replica: Replica, status: int) ->
 
 @attrs.frozen
 class LocalReplica:
-    """A replica as its worker reaches it."""
+    """A replica as its worker reaches it.
+
+    ``capacity``: how many requests it takes at once, as the worker's load
+    endpoint reports it (0, the default: unknown).
+    """
 
     address: Address
     protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
+    capacity: int = attrs.field(default=0, kw_only=True, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen
@@ -374,7 +408,15 @@ class WorkerStatistics:
 
 
 class Worker(Hop):
-    """Relays each stream to the replica the proxy named, counting in-flight per replica."""
+    """Relays each stream to the replica the proxy named, counting in-flight per replica.
+
+    It answers one request itself: ``GET /.proxyblocks/load`` carrying
+    ``x-proxyblocks-probe`` (:data:`~blocks.load.LOAD_PATH`,
+    :data:`~blocks.load.PROBE_HEADER`) gets :meth:`load` as JSON, for the
+    prober (:mod:`blocks.prober`). The edge drops ``x-proxyblocks-*`` from
+    clients, so a client's request for that path reaches its app like any
+    other. Normal requests pay one path comparison for it.
+    """
 
     upstream_name = "app"
 
@@ -387,6 +429,35 @@ class Worker(Hop):
 
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(dict(self.in_flight), dict(self.served))
+
+    def load(self) -> dict[str, ReplicaLoad]:
+        """Per local replica: requests in flight now, and its configured capacity."""
+        loads = {}
+        for key, replica in self.replicas.items():
+            name = key.decode()
+            loads[name] = ReplicaLoad(self.in_flight[name], replica.capacity)
+        return loads
+
+    def load_response(self) -> Response:
+        """The answer to a load probe: :meth:`load` as JSON, never cached."""
+        data = encode_load(self.name, self.load())
+        headers: Headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(data)),
+            (b"cache-control", b"no-store"),
+        ]
+        return Response(200, headers, BytesBody(data))
+
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        if request.path == LOAD_PATH:
+            return False  # the handler answers a probe (or forwards a client's request for this path)
+        return super().relay(request, down, st, ended)
+
+    async def handle(self, request: Request) -> Response:
+        # A declined fast path left its decision: only an undecided request can be a probe.
+        if request.decision is None and request.path == LOAD_PATH and request.header(PROBE_HEADER) is not None:
+            return self.load_response()
+        return await super().handle(request)
 
     def decide(self, request: Request) -> Forward:
         """The replica the proxy named, and the fields to send it; counts it in flight."""
@@ -412,8 +483,16 @@ class Worker(Hop):
 
 # -- serving ----------------------------------------------------------------------------
 
+# An internal hop's peer is a hop: its connection carries many clients' streams,
+# their resets and their window updates, so the per-client abuse limits are off.
 INTERNAL_LISTENER = ListenerConfig(
-    validate=False, max_concurrent_streams=1000, max_header_list_size=256 * 1024, max_request_body=None
+    validate=False,
+    max_concurrent_streams=1000,
+    max_header_list_size=256 * 1024,
+    max_request_body=None,
+    max_client_resets=None,
+    flood_limit=None,
+    max_empty_frames=None,
 )
 """Listener settings for hops that only hear from a validating hop.
 
@@ -448,7 +527,7 @@ async def serve_edge(
 
 
 async def serve_proxy(
-    routes: RouteTable,
+    routes: Routes,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -457,6 +536,8 @@ async def serve_proxy(
     scheduler: SchedulerConfig | None = None,
     tenant_key: TenantKey | None = None,
     outliers: OutlierConfig | None = None,
+    prober: ProberConfig | None = None,
+    autoscale: AutoscaleSignal | None = None,
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
@@ -467,16 +548,35 @@ async def serve_proxy(
     through a fair :class:`~blocks.scheduler.Scheduler` (tenant from
     ``tenant_key``, the ``x-tenant`` header by default). With ``outliers``,
     replicas that keep failing are ejected from selection for a while
-    (:class:`~blocks.routing.OutlierDetector`).
+    (:class:`~blocks.routing.OutlierDetector`). With ``prober``, a background
+    :func:`~blocks.prober.open_prober` polls every worker in ``routes`` for
+    its replicas' load, the proxy's own dispatches correct it, and the
+    default policy becomes :class:`~blocks.load.ProberAware`; ``autoscale``
+    then gets every app's in-flight (``proxy.load`` is the estimator).
     """
     async with contextlib.AsyncExitStack() as stack:
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
         fair = await stack.enter_async_context(open_scheduler(scheduler)) if scheduler is not None else None
+        estimator = None
+        if prober is not None:
+            estimator = LoadEstimator()
+            policy = policy or ProberAware(estimator)
+            await stack.enter_async_context(
+                open_prober(
+                    upstreams,
+                    lambda: {replica.worker for replicas in routes.app_replicas().values() for replica in replicas},
+                    estimator,
+                    prober,
+                    autoscale=autoscale,
+                    apps=routes.app_replicas,
+                )
+            )
         nursery = await stack.enter_async_context(trio.open_nursery())
         proxy = Proxy(
             routes,
             upstreams,
             policy=policy,
+            load=estimator,
             config=config,
             scheduler=fair,
             tenant_key=tenant_key,

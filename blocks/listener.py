@@ -40,9 +40,15 @@ log = logging.getLogger("blocks.listener")
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
-def _none_or_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must be None or >= 0, not {value}")
+def _none_or_at_least(minimum: float) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value < minimum:
+            raise ValueError(f"{attribute.name} must be None or >= {minimum}, not {value}")
+
+    return check
+
+
+_none_or_positive = _none_or_at_least(0)
 
 
 @attrs.frozen(kw_only=True)
@@ -67,10 +73,10 @@ class ListenerConfig:
     max_header_list_size: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1024))
     max_header_count: int = attrs.field(default=100, validator=attrs.validators.ge(8))
     max_request_body: int | None = attrs.field(default=256 * 1024 * 1024, validator=_none_or_positive)
-    max_client_resets: int = attrs.field(default=200, validator=attrs.validators.ge(1))
-    flood_limit: int = attrs.field(default=1000, validator=attrs.validators.ge(10))
+    max_client_resets: int | None = attrs.field(default=200, validator=_none_or_at_least(1))
+    flood_limit: int | None = attrs.field(default=1000, validator=_none_or_at_least(10))
     flood_window: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
-    max_empty_frames: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    max_empty_frames: int | None = attrs.field(default=8, validator=_none_or_at_least(1))
     max_outbound_buffer: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(64 * 1024))
     h1_header_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     stall_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))

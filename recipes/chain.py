@@ -15,6 +15,11 @@ Poke it (any authority routes to the demo app):
     curl --cacert CERT https://localhost:PORT/              # with --tls: h2 over ALPN
     curl -H 'x-tenant: alice' http://127.0.0.1:PORT/       # the fair scheduler's tenant
 
+Routes live in an embedded, revisioned store that the proxy's route cache
+follows (no outside service). With ``--routes FILE`` (TOML or JSON, see
+docs/sources.md) the store also loads that file and follows its changes:
+edit it while the chain runs and the proxy routes by the new version.
+
 Ctrl-C (or SIGTERM) drains: the edge stops accepting, h2 clients get GOAWAY,
 requests in flight finish within --grace seconds, and the process exits 0.
 """
@@ -32,16 +37,21 @@ import trio
 
 from blocks import (
     EdgeConfig,
+    EmbeddedStore,
     HTTPServer,
     LocalReplica,
     Proxy,
-    Replica,
-    RouteTable,
+    RouteCache,
     SchedulerConfig,
     TenantPolicy,
     UpstreamConfig,
     Worker,
+    encode_domain,
+    encode_replica,
     make_self_signed,
+    reconcile,
+    route_key_for_domain,
+    route_key_for_replica,
     serve_demo_replica,
     serve_edge,
     serve_proxy,
@@ -71,6 +81,8 @@ class Chain:
     worker: Worker
     replicas: list[HTTPServer]
     cert: Path | None
+    store: EmbeddedStore
+    routes: RouteCache
     _cancel: trio.CancelScope
 
     @property
@@ -95,12 +107,16 @@ async def main(
     replica_timeout: float = 30.0,
     cert_dir: Path | None = None,
     scheduler: SchedulerConfig | None = FAIR,
+    routes_file: Path | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start the chain; report a :class:`Chain` once the edge takes traffic; run until shut down.
 
-    With ``announce`` (the default) it prints ``edge listening on URL`` then.
+    The proxy routes from a :class:`RouteCache` that follows an
+    :class:`EmbeddedStore` holding ``* -> demo -> every replica`` (and, with
+    ``routes_file``, that file's routes, reloaded when it changes). With
+    ``announce`` (the default) it prints ``edge listening on URL`` then.
     """
     if replicas < 1:
         raise ValueError("--replicas must be at least 1")
@@ -116,15 +132,24 @@ async def main(
             functools.partial(serve_worker, local, upstream=UpstreamConfig(response_timeout=replica_timeout))
         )
         worker_address = (HOST, worker_server.port)
-        routes = RouteTable.build(
-            {"*": "demo"},
-            {
-                "demo": [
-                    Replica(name=n, worker=worker_address, address=r.address, protocol=r.protocol)
-                    for n, r in local.items()
-                ]
-            },
-        )
+        store = EmbeddedStore()
+        if routes_file is not None:
+            store.load_file(routes_file)
+            nursery.start_soon(store.watch_file, routes_file)
+        else:
+            store.transact(
+                {
+                    route_key_for_domain("*"): encode_domain("demo"),
+                    **{
+                        route_key_for_replica("demo", n): encode_replica(
+                            worker=worker_address, address=r.address, protocol=r.protocol
+                        )
+                        for n, r in local.items()
+                    },
+                }
+            )
+        routes = RouteCache()
+        await nursery.start(reconcile, store, routes)
         # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
         inner = UpstreamConfig(response_timeout=replica_timeout + 5)
         proxy_server, proxy = await nursery.start(
@@ -144,7 +169,9 @@ async def main(
                 upstream=UpstreamConfig(response_timeout=replica_timeout + 10),
             )
         )
-        chain = Chain(edge, proxy_server, proxy, worker_server, worker, servers, cert, nursery.cancel_scope)
+        chain = Chain(
+            edge, proxy_server, proxy, worker_server, worker, servers, cert, store, routes, nursery.cancel_scope
+        )
         if announce:
             print(f"edge listening on {edge.scheme}://{HOST}:{edge.port}", flush=True)
             if cert is not None:
@@ -164,6 +191,7 @@ async def _run(args: argparse.Namespace) -> None:
                     replica_protocol=args.replica_protocol,
                     replica_timeout=args.replica_timeout,
                     scheduler=None if args.no_scheduler else FAIR,
+                    routes_file=args.routes,
                 )
             )
             async for _ in signals:
@@ -184,6 +212,7 @@ def run() -> None:
         "--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler"
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get on shutdown")
+    parser.add_argument("--routes", type=Path, help="a TOML or JSON route file to load and follow (docs/sources.md)")
     trio.run(_run, parser.parse_args())
 
 

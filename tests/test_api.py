@@ -12,6 +12,27 @@ import blocks
 
 BLOCKS = Path(blocks.__file__).resolve().parent
 SANS_IO = ["routing", "fair_queue"]
+"""Sans-IO blocks: a module, or a subpackage whose every module is sans-IO."""
+
+
+def _sans_io_modules() -> list[tuple[str, Path]]:
+    """``(dotted name under blocks, file)`` for every module of every sans-IO block."""
+    found = []
+    for block in SANS_IO:
+        package = BLOCKS / block
+        if package.is_dir():
+            for path in sorted(package.glob("*.py")):
+                name = block if path.stem == "__init__" else f"{block}.{path.stem}"
+                found.append((name, path))
+        else:
+            found.append((block, BLOCKS / f"{block}.py"))
+    return found
+
+
+def test_the_sans_io_list_names_real_modules() -> None:
+    names = [name for name, path in _sans_io_modules() if path.exists()]
+    assert {"routing", "routing._cache", "routing._policies", "routing._rendezvous", "fair_queue"} <= set(names)
+    assert len(names) == len(_sans_io_modules())
 
 
 def test_every_exported_name_exists() -> None:
@@ -45,8 +66,8 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_sans_io_modules_do_not_import_trio() -> None:
-    for module in SANS_IO:
-        imported = _imported_modules(BLOCKS / f"{module}.py")
+    for module, path in _sans_io_modules():
+        imported = _imported_modules(path)
         assert not {name for name in imported if name == "trio" or name.startswith("trio.")}, module
 
 
@@ -64,7 +85,7 @@ print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] in ("tr
 
 
 def test_sans_io_modules_load_without_trio() -> None:
-    for module in SANS_IO:
+    for module, _ in _sans_io_modules():
         result = subprocess.run(
             [sys.executable, "-c", _PROBE, str(BLOCKS), module], capture_output=True, text=True, timeout=60, check=True
         )

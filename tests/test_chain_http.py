@@ -16,9 +16,9 @@ import h2.events
 import httpx
 import pytest
 import trio
-from support import RawH2Client, curl
+from support import HOST, RawH2Client, curl, wait_for
 
-from blocks import parse_server_timing
+from blocks import encode_domain, encode_replica, parse_server_timing, route_key_for_domain, route_key_for_replica
 from recipes.chain import Chain, main
 
 PHASES = {"app", "worker", "proxy-route", "proxy", "edge", "total"}
@@ -276,3 +276,34 @@ async def test_h1_keep_alive_at_the_edge(chain: Chain) -> None:
             response = await client.post(chain.url + "/echo", content=b"after several GETs")
             assert response.content == b"after several GETs"
     assert chain.edge.statistics().accepted == 1  # one kept-alive connection for all five
+
+
+async def test_the_chain_routes_from_its_store_and_follows_changes(chain: Chain) -> None:
+    """The recipe's proxy reads a route cache that follows the embedded store: a domain
+    put there routes within moments, a replica deleted there stops getting traffic."""
+    with trio.fail_after(10):
+        worker = f"{HOST}:{chain.worker_server.port}"
+        replica_1 = f"{HOST}:{chain.replicas[1].port}"
+        chain.store.transact(
+            {
+                route_key_for_domain("solo.test"): encode_domain("solo"),
+                route_key_for_replica("solo", "replica-1"): encode_replica(worker=worker, address=replica_1),
+            }
+        )
+        await wait_for(lambda: chain.routes.app_for(b"solo.test") == "solo")
+        for _ in range(4):
+            out = await curl(
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code} %header{x-replica}",
+                "-H",
+                "host: solo.test",
+                f"{chain.url}/",
+            )
+            assert out == "200 replica-1"
+        chain.store.delete(route_key_for_replica("solo", "replica-1"))
+        await wait_for(lambda: not chain.routes.replicas("solo"))
+        status = await curl("-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "host: solo.test", f"{chain.url}/")
+        assert status == "503"

@@ -455,9 +455,9 @@ class CountingPolicy(LeastInFlight):
         super().__init__()
         self.picks = 0
 
-    def pick(self, candidates: Sequence[Replica], in_flight: Mapping[str, int]) -> Replica:
+    def pick(self, request: Request, candidates: Sequence[Replica], in_flight: Mapping[str, int]) -> Replica:
         self.picks += 1
-        return super().pick(candidates, in_flight)
+        return super().pick(request, candidates, in_flight)
 
 
 async def test_a_declined_fast_path_decision_is_not_taken_again(nursery: trio.Nursery) -> None:

@@ -1,0 +1,61 @@
+"""Routing state and policies: authority -> app -> replicas -> one replica.
+
+The routes live in memory and are read per request at dict speed, from a
+static :class:`RouteTable` or a :class:`RouteCache` that a route source keeps
+in step with its store (both satisfy :class:`Routes`). A :class:`Policy`
+picks one replica among an app's candidates, from the request and the
+in-flight counts the proxy keeps. An optional :class:`OutlierDetector` sits
+between the two and takes replicas that keep failing out of the candidates
+for a while.
+
+All of it is sans-IO: no trio anywhere in this package, no clock of its own
+(``now`` is an argument), no network. The modules:
+
+- ``_table``: :class:`Replica`, :class:`Routes`, :class:`RouteTable`;
+- ``_layout``: the store's keys and JSON values, and their helpers;
+- ``_cache``: :class:`RouteCache` and :class:`RouteEvent`;
+- ``_policies`` and ``_rendezvous``: the built-in policies and the hashing
+  behind :class:`AffinityHash`;
+- ``_outliers``: :class:`OutlierDetector`.
+"""
+
+from blocks.routing._cache import RouteCache, RouteCacheStatistics, RouteEvent
+from blocks.routing._layout import (
+    decode_domain,
+    decode_replica,
+    encode_domain,
+    encode_replica,
+    route_key_for_domain,
+    route_key_for_replica,
+)
+from blocks.routing._outliers import OutlierConfig, OutlierDetector, OutlierStatistics
+from blocks.routing._policies import AffinityHash, LeastInFlight, Policy, PowerOfTwo, RoundRobin
+from blocks.routing._table import Address, Replica, Routes, RouteTable
+
+__all__ = [
+    # routes
+    "Address",
+    "Replica",
+    "Routes",
+    "RouteTable",
+    # the route cache and the store's layout
+    "RouteCache",
+    "RouteCacheStatistics",
+    "RouteEvent",
+    "decode_domain",
+    "decode_replica",
+    "encode_domain",
+    "encode_replica",
+    "route_key_for_domain",
+    "route_key_for_replica",
+    # policies
+    "AffinityHash",
+    "LeastInFlight",
+    "Policy",
+    "PowerOfTwo",
+    "RoundRobin",
+    # outlier ejection
+    "OutlierConfig",
+    "OutlierDetector",
+    "OutlierStatistics",
+]
