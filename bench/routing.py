@@ -1,6 +1,6 @@
 """What a routing decision costs: a policy's pick with 10 and 1,000 replicas, and the route cache's upkeep.
 
-Everything runs in this process, no servers. Figures are the best of
+Everything but etcd (section 3) runs in this process. Figures are the best of
 several repeats of a loop of picks, in microseconds per pick, loop and call
 included.
 
@@ -31,6 +31,12 @@ included.
    replica of a 1,000-replica app (its tuple is rebuilt); and a lookup
    (``app_for`` + ``replicas``), as the proxy does per request. No target:
    printed for information.
+
+3. A put reaching the caches of two proxies: two ``open_route_cache``
+   reconcilers follow one store, and each put waits until both caches hold
+   its revision; p50/p99 in milliseconds, for the ``EmbeddedStore`` and for
+   a real etcd (Debian's ``etcd-server``, started on loopback for the run).
+   No target: printed for information.
 
 The last line is ``verdict: PASS|FAIL ...``. Only this machine's figures
 compare with each other; absolute figures drift with the machine and its
@@ -249,6 +255,50 @@ def measure_cache(repeats: int) -> dict[str, float]:
     return {"load_ms": load_s * 1e3, "apply_us": apply_s * 1e6, "lookup_us": lookup_s * 1e6}
 
 
+def measure_propagation(puts: int) -> dict[str, tuple[float, float]]:
+    """put -> every proxy's cache holds it: two caches follow one store, as two proxies would.
+
+    Each put waits until both caches reached its revision before the next,
+    so the figures are the latency of one change, not a backlog.
+    """
+    import tempfile
+    from pathlib import Path
+
+    import trio
+
+    from blocks import EmbeddedStore, EtcdSource, open_route_cache, route_key_for_domain
+    from tests.etcd_server import open_etcd
+
+    async def run(source: Any, make: Callable[[], Any], put: Callable[[str, bytes], Any]) -> tuple[float, float]:
+        latencies = []
+        async with open_route_cache(make()) as first, open_route_cache(make()) as second:
+            caches = (first.cache, second.cache)
+            for i in range(puts):
+                start = time.perf_counter()
+                revision = await put(route_key_for_domain(f"d{i}.example"), b'{"app": "a"}')
+                while any(cache.revision < revision for cache in caches):
+                    await trio.sleep(0)
+                latencies.append(time.perf_counter() - start)
+        latencies.sort()
+        return latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99)] * 1e3
+
+    async def both() -> dict[str, tuple[float, float]]:
+        store = EmbeddedStore()
+
+        async def put_embedded(key: str, value: bytes) -> int:
+            return store.put(key, value)
+
+        figures = {"embedded": await run(store, lambda: store, put_embedded)}
+        with tempfile.TemporaryDirectory(prefix="proxyblocks-bench-") as tmp:
+            async with open_etcd(Path(tmp)) as etcd:
+                writer = EtcdSource(etcd.url)
+                figures["etcd"] = await run(etcd, lambda: EtcdSource(etcd.url), writer.put)
+        return figures
+
+    sys.path.insert(0, str(ROOT))
+    return trio.run(both)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4,000 picks per figure, best of 3")
@@ -269,6 +319,11 @@ def main() -> int:
     print(f"load, 10,000 routes (1,000 apps x 1 domain + 9 replicas):  {cache['load_ms']:.1f} ms")
     print(f"apply, 1 event into a 1,000-replica app (tuple rebuilt):   {cache['apply_us']:.0f} µs")
     print(f"lookup, app_for + replicas:                                {cache['lookup_us']:.2f} µs")
+    puts = 100 if args.quick else 300
+    propagation = measure_propagation(puts)
+    print(f"\n3. put -> both of two proxies' caches updated ({puts} puts, one at a time; no target)")
+    for store, (p50, p99) in propagation.items():
+        print(f"{store:<10} p50 {p50:.2f} ms  p99 {p99:.2f} ms")
 
     headline = {key: us for key, us in results.items() if key[0] == HEADLINE}
     worst_key = max(headline, key=headline.__getitem__)
@@ -286,7 +341,9 @@ def main() -> int:
     figures = (
         f"headline PowerOfTwo worst {worst:.1f} µs/pick ({worst_key[2]} replicas, {worst_key[1]}; "
         f"target <= {PICK_TARGET_US:g}); others, worst at 10/1,000 replicas: {others}; "
-        f"RouteCache.load of 10,000 routes {cache['load_ms']:.0f} ms (no target)"
+        f"RouteCache.load of 10,000 routes {cache['load_ms']:.0f} ms (no target); put -> caches p50/p99 "
+        + ", ".join(f"{store} {p50:.1f}/{p99:.1f} ms" for store, (p50, p99) in propagation.items())
+        + " (no target)"
     )
     print(f"verdict: {'PASS' if ok else 'FAIL'} {figures}")
     return 0 if ok else 1

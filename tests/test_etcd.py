@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 
+from blocks import LocalReplica, serve_proxy, serve_worker
 from blocks.routing import (
     RouteCache,
     RouteEvent,
@@ -37,7 +40,7 @@ from blocks.sources import (
 from recipes.fleet import Fleet, ProxyProcess
 from recipes.fleet import main as fleet_main
 from tests.etcd_server import PROGRESS_INTERVAL, EtcdServer, open_etcd
-from tests.support import curl
+from tests.support import HOST, curl, serve_tenant_replica
 
 RETRY = ReconcileConfig(min_backoff=0.05, max_backoff=0.5)
 
@@ -408,3 +411,31 @@ async def test_the_fleet_recipe_shares_routes_and_no_fate(nursery: trio.Nursery)
             assert [await status(b, "demo.example") for _ in range(3)] == [200] * 3
         finally:
             await fleet.shutdown(1.0)
+
+
+async def test_requests_route_from_memory_while_etcd_hangs(etcd: EtcdServer, nursery: trio.Nursery) -> None:
+    """No network call on the request path: with etcd frozen (SIGSTOP: its connections hang,
+    nothing fails) the proxy goes on routing every request from its cache, at once."""
+    with trio.fail_after(30):
+        replica_handler, _, local = await serve_tenant_replica(nursery)
+        worker_server, _ = await nursery.start(functools.partial(serve_worker, {"r1": LocalReplica(local.address)}))
+        writer = etcd_source(etcd)
+        await writer.put(route_key_for_domain("chat.example"), encode_domain("chat"))
+        await writer.put(
+            route_key_for_replica("chat", "r1"),
+            encode_replica(worker=(HOST, worker_server.port), address=local.address),
+        )
+        async with open_route_cache(etcd_source(etcd), config=RETRY) as routes:
+            proxy_server, _ = await nursery.start(functools.partial(serve_proxy, routes.cache))
+            url = f"http://{HOST}:{proxy_server.port}/"
+            assert await curl("-H", "host: chat.example", "-H", "x-tenant: before", url) == "before\n"
+            assert etcd.pid is not None
+            os.kill(etcd.pid, signal.SIGSTOP)
+            try:
+                with trio.fail_after(5):  # a liveness bound: a request that waited on etcd would hang here
+                    for i in range(20):
+                        tenant = f"frozen-{i}"
+                        assert await curl("-H", "host: chat.example", "-H", f"x-tenant: {tenant}", url) == f"{tenant}\n"
+            finally:
+                os.kill(etcd.pid, signal.SIGCONT)
+        assert replica_handler.arrivals[-1] == "frozen-19"
