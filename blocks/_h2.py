@@ -109,6 +109,8 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
     - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
       whose payload is empty and that end nothing;
     - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
+    - no SETTINGS ACK with a payload (6.5: FRAME_SIZE_ERROR, where
+      hyperframe's parse error would make it PROTOCOL_ERROR);
     - at most ``flood_limit`` control frames per ``flood_window`` seconds:
       SETTINGS, PING, PRIORITY, frames of unknown types, and whatever the
       driver reports through :meth:`control_frame` (window updates that
@@ -129,6 +131,12 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         self._control = 0  # control frames since _since
         self._since = time.monotonic()
         self._first = True
+
+    def __next__(self) -> Any:
+        data = self._data
+        if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1] or data[2]):
+            raise h2.exceptions.FrameTooLargeError("SETTINGS ACK with a payload")
+        return super().__next__()
 
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type

@@ -745,11 +745,6 @@ async def test_6_5_3_settings_are_acknowledged(conn: Conn) -> None:
         await expect_ok(conn)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GOAWAY(PROTOCOL_ERROR) instead of FRAME_SIZE_ERROR: hyperframe calls it invalid data and h2 maps "
-    "that to PROTOCOL_ERROR",
-)
 async def test_6_5_settings_ack_with_payload(conn: Conn) -> None:
     # 6.5: SETTINGS with ACK and a payload MUST be a connection error of type FRAME_SIZE_ERROR.
     with trio.fail_after(10):
