@@ -9,6 +9,9 @@ from the one owner, auto-reset on wake, cancellable.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import trio
 
 
@@ -48,3 +51,24 @@ class Signal:
             return trio.lowlevel.Abort.SUCCEEDED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+@contextlib.contextmanager
+def one_error() -> Iterator[None]:
+    """Around an ``open_*``'s nursery: hand back a lone error as itself, not in an ExceptionGroup.
+
+    A block's own tasks raise nothing into its nursery, so a group of one is
+    what the ``async with`` body raised; STYLE says an ``open_*`` never leaks
+    an ExceptionGroup that wraps a single error. Its cause and context stay intact.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
+        context = error.__context__
+        try:
+            raise error
+        finally:
+            error.__context__ = context

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from blocks._sync import one_error
 from blocks.http import Request
 from blocks.load import (
     LOAD_PATH,
@@ -234,21 +235,10 @@ async def open_prober(
     the prober; errors from the body come out as they are, not wrapped.
     """
     prober = Prober(upstreams, workers, estimator, config or ProberConfig(), autoscale=autoscale, apps=apps)
-    try:
+    with one_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(prober._run_forever)
             try:
                 yield prober
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The nursery wraps what the body raised (the prober task raises
-        # nothing): hand back the error itself, its cause and context intact.
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__
-        try:
-            raise error
-        finally:
-            error.__context__ = context

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 import outcome
 import trio
 
-from blocks._sync import Signal
+from blocks._sync import Signal, one_error
 from blocks.fair_queue import (
     FairQueue,
     Grant,
@@ -166,7 +166,7 @@ async def open_scheduler(config: SchedulerConfig) -> AsyncIterator[Scheduler]:
     may still be released afterwards.
     """
     scheduler = Scheduler(config)
-    try:
+    with one_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(scheduler._expire_forever)
             scheduler._running = True
@@ -175,17 +175,6 @@ async def open_scheduler(config: SchedulerConfig) -> AsyncIterator[Scheduler]:
             finally:
                 scheduler._close()
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The nursery wraps what the body raised (the expiry task raises
-        # nothing): hand back the error itself, its cause and context intact.
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__
-        try:
-            raise error
-        finally:
-            error.__context__ = context
 
 
 # -- tenant keys ------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ from typing import Any, TypeVar, cast
 import attrs
 import trio
 
+from blocks._sync import one_error
+
 T = TypeVar("T")
 
 
@@ -173,7 +175,7 @@ async def open_single_flight(
     if not join_timeout >= 0 or (load_timeout is not None and not load_timeout > 0):
         raise ValueError("join_timeout must be >= 0 and load_timeout > 0")
     flights = SingleFlight(join_timeout, load_timeout)
-    try:
+    with one_error():
         async with trio.open_nursery() as nursery:
             flights._nursery = nursery
             try:
@@ -181,13 +183,3 @@ async def open_single_flight(
             finally:
                 flights._nursery = None
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The loads raise nothing into the nursery: this is what the body raised.
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__
-        try:
-            raise error
-        finally:
-            error.__context__ = context

@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from blocks._sync import one_error
 from blocks.routing import RouteCache
 from blocks.sources._base import Compacted, Progress, RouteSource, SourceUnavailable
 
@@ -220,7 +221,7 @@ async def open_route_cache(
             await serve_proxy(routes.cache, ...)
     """
     reconciler_cache = cache if cache is not None else RouteCache()
-    try:
+    with one_error():
         async with trio.open_nursery() as nursery:
             reconciler: RouteReconciler = await nursery.start(
                 _reconcile_for_open, source, reconciler_cache, config, rng
@@ -229,17 +230,6 @@ async def open_route_cache(
                 yield reconciler
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The nursery wraps what the body raised (the reconciler raises only for a bug):
-        # hand back the error itself, its cause and context intact.
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__
-        try:
-            raise error
-        finally:
-            error.__context__ = context
 
 
 async def _reconcile_for_open(
