@@ -44,7 +44,7 @@ from typing import Literal
 import attrs
 
 from blocks.routing._layout import decode_domain, decode_replica, parse_key
-from blocks.routing._table import Replica, host_of
+from blocks.routing._table import Replica, app_for
 
 _by_name = attrgetter("name")
 
@@ -129,13 +129,7 @@ class RouteCache:
 
     def app_for(self, authority: bytes) -> str | None:
         """The app for ``authority``: exact, then the host without its port, then ``*``."""
-        domains = self._domains
-        app = domains.get(authority)
-        if app is None:
-            app = domains.get(host_of(authority))
-            if app is None:
-                app = domains.get(b"*")
-        return app
+        return app_for(self._domains, authority)
 
     def replicas(self, app: str) -> Sequence[Replica]:
         """``app``'s live replicas, sorted by name; ``()`` if none. The same tuple until a change touches it."""

@@ -53,6 +53,16 @@ class Routes(Protocol):
         ...
 
 
+def app_for(domains: Mapping[bytes, str], authority: bytes) -> str | None:
+    """The app for ``authority`` in ``domains``: exact, then the host without its port, then ``*``."""
+    app = domains.get(authority)
+    if app is None:
+        app = domains.get(host_of(authority))
+        if app is None:
+            app = domains.get(b"*")
+    return app
+
+
 def host_of(authority: bytes) -> bytes:
     """``authority`` without a trailing ``:port`` (all digits); IPv6 literals keep their brackets."""
     if authority.endswith(b"]"):
@@ -83,13 +93,7 @@ class RouteTable:
         )
 
     def app_for(self, authority: bytes) -> str | None:
-        domains = self.domains
-        app = domains.get(authority)
-        if app is None:
-            app = domains.get(host_of(authority))
-            if app is None:
-                app = domains.get(b"*")
-        return app
+        return app_for(self.domains, authority)
 
     def replicas(self, app: str) -> list[Replica]:
         return self.apps.get(app, [])
