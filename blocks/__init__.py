@@ -7,6 +7,7 @@ from blocks.errors import (
     NoRoute,
     PayloadTooLarge,
     StreamReset,
+    Unauthorized,
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamTimeout,
@@ -114,6 +115,19 @@ from blocks.sources import (
 )
 from blocks.timing import Timing, add_server_timing, parse_server_timing
 from blocks.tls import make_self_signed, server_context
+from blocks.tokens import (
+    InvalidToken,
+    Keyring,
+    ProxyAuth,
+    ProxyAuthStatistics,
+    TokenClaims,
+    TokenIssuer,
+    TokenKey,
+    TokenReason,
+    TokenVerifier,
+    TokenVerifierConfig,
+    TokenVerifierStatistics,
+)
 
 __all__ = [
     # HTTP types
@@ -134,6 +148,7 @@ __all__ = [
     "NoRoute",
     "PayloadTooLarge",
     "StreamReset",
+    "Unauthorized",
     "UpstreamConnectError",
     "UpstreamProtocolError",
     "UpstreamTimeout",
@@ -244,4 +259,16 @@ __all__ = [
     "SingleFlight",
     "SingleFlightStatistics",
     "open_single_flight",
+    # tokens
+    "InvalidToken",
+    "Keyring",
+    "ProxyAuth",
+    "ProxyAuthStatistics",
+    "TokenClaims",
+    "TokenIssuer",
+    "TokenKey",
+    "TokenReason",
+    "TokenVerifier",
+    "TokenVerifierConfig",
+    "TokenVerifierStatistics",
 ]

@@ -34,6 +34,19 @@ class BadRequest(BlocksError):
     status = 400
 
 
+class Unauthorized(BlocksError):
+    """No valid credentials for what the request asks: 401, with ``www-authenticate: Bearer``.
+
+    Raised at the proxy before the request is admitted, routed or sent
+    anywhere (see :class:`blocks.ProxyAuth`). The body is the generic
+    ``401 Unauthorized``; why (no token, which check failed) is in the
+    message, for logs and statistics only.
+    """
+
+    status = 401
+    headers = [(b"www-authenticate", b"Bearer")]  # noqa: RUF012  (read-only, like BlocksError.headers)
+
+
 class NoRoute(BlocksError):
     """No route for the authority, or no live replica behind it: 503 at once."""
 

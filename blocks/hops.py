@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import ssl
+import time
 from collections.abc import Callable, Mapping
 from time import perf_counter
 
@@ -55,7 +56,10 @@ from blocks.prober import open_prober
 from blocks.routing import Address, LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
 from blocks.timing import Timing, add_server_timing
+from blocks.tokens import ProxyAuth
 
+_SCREENED = object()
+"""``request.decision`` after a fast path that screened the request, then found no scheduler slot free."""
 INTERNAL_PREFIX = b"x-proxyblocks-"
 REPLICA_HEADER = b"x-proxyblocks-replica"
 _FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
@@ -115,6 +119,10 @@ class Hop:
     now, otherwise the handler waits its turn (or gets the scheduler's 429 or
     503), and the slot is released with the exchange, on every path.
 
+    Before admission, :meth:`screen` runs once per request (nothing by
+    default): a request it refuses (the proxy's 401) never takes, nor waits
+    for, a slot.
+
     Either way the decision is made once (a declined fast path leaves it in
     ``request.decision``) and the response head gets this hop's
     Server-Timing entries: ``name`` for the hop's own time, ``upstream_name``
@@ -139,6 +147,14 @@ class Hop:
 
     def decide(self, request: Request) -> Forward:
         raise NotImplementedError
+
+    def screen(self, request: Request) -> None:
+        """Refuse a request before it is admitted or decided: raise a :class:`~blocks.errors.BlocksError`.
+
+        Synchronous, like :meth:`decide`, and run once per request. It may
+        rewrite ``request.headers`` (strip a credential). The default does
+        nothing; the proxy checks proxy-auth tokens here.
+        """
 
     def _head(self, request: Request, on_status: Callable[[int], None] | None) -> HeadFilter:
         timing = _timing(request)
@@ -168,10 +184,16 @@ class Hop:
 
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
         """The listener's fast path (see :func:`blocks.serve_http`): True if spliced."""
+        try:
+            self.screen(request)
+        except BlocksError as exc:
+            request.decision = exc
+            return False
         grant = None
         if self.scheduler is not None:
             grant = self.scheduler.try_acquire(self.tenant_key(request))
             if grant is None:
+                request.decision = _SCREENED
                 return False  # not its turn: the handler waits in the scheduler's queue
         try:
             forward = self._admitted(request, grant)
@@ -196,7 +218,9 @@ class Hop:
         decision = request.decision
         if isinstance(decision, BlocksError):
             raise decision
-        if decision is None:
+        if decision is None or decision is _SCREENED:
+            if decision is None:
+                self.screen(request)
             grant = None
             if self.scheduler is not None:
                 grant = await self.scheduler.acquire(self.tenant_key(request))  # or 429 / 503
@@ -316,6 +340,10 @@ class Proxy(Hop):
 
     ``routes`` is a static :class:`~blocks.routing.RouteTable` or a
     :class:`~blocks.routing.RouteCache` that a route source keeps current.
+    With ``auth`` (a :class:`~blocks.tokens.ProxyAuth`), a request for an app
+    that requires a proxy-auth token and lacks a valid one for that app is
+    a 401 from :meth:`screen`: before the scheduler, the replica pick and any
+    upstream.
     """
 
     def __init__(
@@ -329,8 +357,10 @@ class Proxy(Hop):
         tenant_key: TenantKey | None = None,
         outliers: OutlierDetector | None = None,
         load: LoadEstimator | None = None,
+        auth: ProxyAuth | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
+        self.auth = auth
         self.outliers = outliers
         self.load = load  # told of every dispatch and completion (the prober's correction)
         super().__init__(self.config.name, upstreams, scheduler=scheduler, tenant_key=tenant_key)
@@ -340,9 +370,22 @@ class Proxy(Hop):
         self._no_route = 0
         self._via = (b"via", b"2 " + self.config.name.encode())
         self._phase = f"{self.config.name}-route"
+        self._auth_phase = f"{self.config.name}-auth"
 
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(dict(self.in_flight), self._no_route)
+
+    def screen(self, request: Request) -> None:
+        """Proxy auth, if configured: a 401 unless the request's token opens its app; the token is stripped."""
+        auth = self.auth
+        if auth is None:
+            return
+        start = perf_counter()
+        app = self.routes.app_for(request.authority)
+        if app is not None:  # no app: decide answers 503
+            claims, request.headers = auth.authorize(app, request.headers, time.time())
+            if claims is not None:  # the app requires auth: its check is a phase of its own
+                _timing(request).phase(self._auth_phase, perf_counter() - start)
 
     def decide(self, request: Request) -> Forward:
         """Pick the replica (in memory, never awaits); count it in flight."""
@@ -538,6 +581,7 @@ async def serve_proxy(
     outliers: OutlierConfig | None = None,
     prober: ProberConfig | None = None,
     autoscale: AutoscaleSignal | None = None,
+    auth: ProxyAuth | None = None,
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
@@ -553,6 +597,8 @@ async def serve_proxy(
     its replicas' load, the proxy's own dispatches correct it, and the
     default policy becomes :class:`~blocks.load.ProberAware`; ``autoscale``
     then gets every app's in-flight (``proxy.load`` is the estimator).
+    With ``auth``, apps that require a proxy-auth token get a 401 without
+    one, before admission and routing (:class:`~blocks.tokens.ProxyAuth`).
     """
     async with contextlib.AsyncExitStack() as stack:
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
@@ -581,6 +627,7 @@ async def serve_proxy(
             scheduler=fair,
             tenant_key=tenant_key,
             outliers=OutlierDetector(outliers) if outliers is not None else None,
+            auth=auth,
         )
         serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay)
         server = await nursery.start(serve)

@@ -11,7 +11,7 @@ from pathlib import Path
 import blocks
 
 BLOCKS = Path(blocks.__file__).resolve().parent
-SANS_IO = ["routing", "fair_queue"]
+SANS_IO = ["routing", "fair_queue", "tokens"]
 """Sans-IO blocks: a module, or a subpackage whose every module is sans-IO."""
 
 
@@ -31,7 +31,8 @@ def _sans_io_modules() -> list[tuple[str, Path]]:
 
 def test_the_sans_io_list_names_real_modules() -> None:
     names = [name for name, path in _sans_io_modules() if path.exists()]
-    assert {"routing", "routing._cache", "routing._policies", "routing._rendezvous", "fair_queue"} <= set(names)
+    expected = {"routing", "routing._cache", "routing._policies", "routing._rendezvous", "fair_queue", "tokens"}
+    assert expected <= set(names)
     assert len(names) == len(_sans_io_modules())
 
 
