@@ -35,6 +35,8 @@ from blocks import (
     Replica,
     Request,
     Response,
+    RouteCache,
+    RouteEvent,
     RouteTable,
     SchedulerConfig,
     UpstreamConfig,
@@ -555,3 +557,49 @@ async def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str] 
             await trio.sleep(0.005)
         return
     raise AssertionError(f"still waiting after {timeout} s: {what() if callable(what) else what or predicate}")
+
+
+class RecordingCache:
+    """A RouteCache that records what a reconciler does to it: the revisions it is loaded at,
+    the events it is handed (kind, key, revision) and, per batch, the revisions applied.
+
+    With ``contiguous``, it also asserts the reconciler's promise for a store whose
+    revisions have no holes (the embedded store): after a load at R, the events are
+    exactly R+1, R+2, ..., each once. (etcd's revisions count every key, so they skip.)
+    """
+
+    def __init__(self, *, contiguous: bool = False) -> None:
+        self.cache = RouteCache()
+        self.contiguous = contiguous
+        self.loads: list[int] = []
+        self.events: list[tuple[str, str, int]] = []
+        self.applied: list[int] = []
+
+    @property
+    def revision(self) -> int:
+        return self.cache.revision
+
+    def load(self, snapshot: dict[str, bytes], revision: int, now: float) -> None:
+        self.loads.append(revision)
+        self.cache.load(snapshot, revision, now)
+
+    def apply(self, events: Sequence[RouteEvent], now: float) -> None:
+        assert events, "an empty batch"
+        if self.contiguous:
+            last = self.cache.revision
+            assert events[0].revision == last + 1, f"after {last}: {events[0]}"
+            for event in events:
+                assert event.revision in (last, last + 1), f"after {last}: {event}"
+                last = event.revision
+        self.events += [(event.kind, event.key, event.revision) for event in events]
+        self.applied.extend(sorted({event.revision for event in events}))
+        self.cache.apply(events, now)
+
+    def synced(self, now: float) -> None:
+        self.cache.synced(now)
+
+    def unsynced(self, now: float) -> None:
+        self.cache.unsynced(now)
+
+    def staleness(self, now: float) -> float:
+        return self.cache.staleness(now)

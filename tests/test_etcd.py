@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,6 @@ import trio
 
 from blocks import LocalReplica, serve_proxy, serve_worker
 from blocks.routing import (
-    RouteCache,
     RouteEvent,
     encode_domain,
     encode_replica,
@@ -40,7 +39,7 @@ from blocks.sources import (
 from recipes.fleet import Fleet, ProxyProcess
 from recipes.fleet import main as fleet_main
 from tests.etcd_server import PROGRESS_INTERVAL, EtcdServer, open_etcd
-from tests.support import HOST, curl, serve_tenant_replica
+from tests.support import HOST, RecordingCache, curl, serve_tenant_replica
 
 RETRY = ReconcileConfig(min_backoff=0.05, max_backoff=0.5)
 
@@ -55,36 +54,6 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
 def etcd_source(etcd: EtcdServer, **kwargs: Any) -> EtcdSource:
     """A source told the test etcd's progress interval: silent for 4 of them is dead."""
     return EtcdSource(etcd.url, progress_interval=PROGRESS_INTERVAL, missed_progress=4, **kwargs)
-
-
-class RecordingCache:
-    """A RouteCache that records the revisions it is loaded at and the events it is handed."""
-
-    def __init__(self) -> None:
-        self.cache = RouteCache()
-        self.loads: list[int] = []
-        self.events: list[tuple[str, str, int]] = []
-
-    @property
-    def revision(self) -> int:
-        return self.cache.revision
-
-    def load(self, snapshot: dict[str, bytes], revision: int, now: float) -> None:
-        self.loads.append(revision)
-        self.cache.load(snapshot, revision, now)
-
-    def apply(self, events: Sequence[RouteEvent], now: float) -> None:
-        self.events += [(event.kind, event.key, event.revision) for event in events]
-        self.cache.apply(events, now)
-
-    def synced(self, now: float) -> None:
-        self.cache.synced(now)
-
-    def unsynced(self, now: float) -> None:
-        self.cache.unsynced(now)
-
-    def staleness(self, now: float) -> float:
-        return self.cache.staleness(now)
 
 
 async def wait_until(predicate: Callable[[], bool], step: float = 0.02) -> None:

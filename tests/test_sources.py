@@ -13,7 +13,7 @@ import os
 import random
 import stat
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from blocks.sources import (
     write_route_file,
 )
 from blocks.sources.routefile import document_from_routes, dump_toml, parse_route_file
+from tests.support import RecordingCache
 
 REPLICA = encode_replica(worker="127.0.0.1:9001", address="127.0.0.1:8001")
 
@@ -89,43 +90,6 @@ class FlakySource:
                 if self.down or self.generation != generation:
                     raise SourceUnavailable("disconnected")
                 yield item
-
-
-class CheckedCache:
-    """A RouteCache that asserts the reconciler's promise: after a load at R, the events it is
-    handed are exactly R+1, R+2, ... (the embedded store's revisions have no holes), each once."""
-
-    def __init__(self) -> None:
-        self.cache = RouteCache()
-        self.loads: list[int] = []
-        self.applied: list[int] = []
-
-    @property
-    def revision(self) -> int:
-        return self.cache.revision
-
-    def load(self, snapshot: dict[str, bytes], revision: int, now: float) -> None:
-        self.loads.append(revision)
-        self.cache.load(snapshot, revision, now)
-
-    def apply(self, events: Sequence[RouteEvent], now: float) -> None:
-        assert events, "an empty batch"
-        last = self.cache.revision
-        assert events[0].revision == last + 1, f"after {last}: {events[0]}"
-        for event in events:
-            assert event.revision in (last, last + 1), f"after {last}: {event}"
-            last = event.revision
-        self.applied.extend(sorted({event.revision for event in events}))
-        self.cache.apply(events, now)
-
-    def synced(self, now: float) -> None:
-        self.cache.synced(now)
-
-    def unsynced(self, now: float) -> None:
-        self.cache.unsynced(now)
-
-    def staleness(self, now: float) -> float:
-        return self.cache.staleness(now)
 
 
 def view(cache: Any, keys: set[str]) -> tuple[dict[str, str | None], dict[str, list[Any]]]:
@@ -524,7 +488,7 @@ async def test_a_broken_source_is_retried_with_backoff_and_resumed_without_dupli
     store = EmbeddedStore(progress_interval=0.5)
     store.put("domains/a.example", encode_domain("a"))
     source = FlakySource(store)
-    cache = CheckedCache()
+    cache = RecordingCache(contiguous=True)
     with trio.fail_after(100):
         async with trio.open_nursery() as nursery:
             routes = await nursery.start(
@@ -603,7 +567,7 @@ async def test_compacted_history_reloads_a_snapshot(autojump_clock: trio.testing
     store = EmbeddedStore(progress_interval=0.5)
     store.put("domains/a.example", encode_domain("a"))
     source = FlakySource(store)
-    cache = CheckedCache()
+    cache = RecordingCache(contiguous=True)
     with trio.fail_after(100):
         async with open_route_cache(source, cache) as routes:  # type: ignore[arg-type]
             source.down = True
@@ -695,7 +659,7 @@ def test_any_interleaving_ends_with_the_cache_equal_to_the_store(
 ) -> None:
     store = EmbeddedStore(history_limit=history_limit, progress_interval=0.25)
     source = FlakySource(store)
-    cache = CheckedCache()
+    cache = RecordingCache(contiguous=True)
 
     async def scenario() -> None:
         with trio.fail_after(1000):
