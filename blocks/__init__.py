@@ -93,7 +93,7 @@ from blocks.routing import (
     route_key_for_domain,
     route_key_for_replica,
 )
-from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
+from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler, token_tenant
 from blocks.singleflight import SingleFlight, SingleFlightStatistics, open_single_flight
 from blocks.sources import (
     Compacted,
@@ -195,6 +195,7 @@ __all__ = [
     "TenantStatistics",
     "Ticket",
     "header_tenant",
+    "token_tenant",
     "open_scheduler",
     # prober
     "LOAD_PATH",

@@ -345,6 +345,7 @@ class H2Driver:
 
     def kick(self) -> None:
         """Move what the state machine queued to the writer; wake it only if there is something."""
+        self.pushed = 0  # whatever splices pushed is in ``data`` now, and counted as backlog
         data = self.h2.data_to_send()
         if data:
             self._queue(data)
@@ -394,6 +395,11 @@ class H2Driver:
                 self.mark_closed()
                 return
             if sent == len(data):
+                if self.backlogged and self.backlog < BACKLOG_HIGH // 2:
+                    # Splices parked on what this batch pushed, and it all went out
+                    # here, not through the writer (which would wake them): wake them.
+                    self.backlogged = False
+                    self.wake_all_windows()  # their pushes mark us again: flush_marked goes on
                 return
             data = data[sent:]
         self._queue(data)

@@ -385,6 +385,7 @@ class Proxy(Hop):
         if app is not None:  # no app: decide answers 503
             claims, request.headers = auth.authorize(app, request.headers, time.time())
             if claims is not None:  # the app requires auth: its check is a phase of its own
+                request.claims = claims
                 _timing(request).phase(self._auth_phase, perf_counter() - start)
 
     def decide(self, request: Request) -> Forward:

@@ -246,6 +246,9 @@ class Request:
     decision: Any = None
     """What a hop's synchronous fast path decided (a route, an error), left for
     its handler when the fast path declined, so nothing is decided twice."""
+    claims: Any = None
+    """The verified claims of the request's token, once a hop checked one
+    (:class:`~blocks.tokens.TokenClaims`); what a tenant key may read."""
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of header ``name`` (lowercase), or ``default``."""

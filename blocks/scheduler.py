@@ -183,6 +183,26 @@ TenantKey = Callable[["Request"], str]
 """Which tenant a request belongs to: a header, a token's tenant claim, the app..."""
 
 
+def token_tenant(fallback: TenantKey | None = None) -> TenantKey:
+    """A :data:`TenantKey` that reads the ``tenant`` claim of the request's verified token.
+
+    A proxy with :class:`~blocks.tokens.ProxyAuth` checks the token before
+    admission, so the scheduler sees a tenant the client cannot choose. A
+    request without verified claims (an app that needs no token) is keyed
+    by ``fallback`` (default: :func:`header_tenant`).
+    """
+    other = fallback or header_tenant()
+
+    def key(request: Request) -> str:
+        claims = request.claims
+        if claims is not None and claims.tenant:
+            tenant: str = claims.tenant
+            return tenant
+        return other(request)
+
+    return key
+
+
 def header_tenant(name: bytes = b"x-tenant", default: str = "default", *, max_length: int = 64) -> TenantKey:
     """A :data:`TenantKey` that reads header ``name`` (latin-1).
 

@@ -38,6 +38,7 @@ from blocks import (
     Response,
     RouteTable,
     SchedulerConfig,
+    TenantKey,
     TenantPolicy,
     TokenIssuer,
     TokenKey,
@@ -50,6 +51,7 @@ from blocks import (
     serve_proxy,
     serve_worker,
     text_response,
+    token_tenant,
 )
 
 KEY = TokenKey.hmac("k1", bytes(range(32)))
@@ -112,6 +114,7 @@ async def assemble_auth(
     nursery: trio.Nursery,
     *,
     scheduler: SchedulerConfig | None = None,
+    tenant_key: TenantKey | None = None,
     proxy_upstream: UpstreamConfig | None = None,
     **auth_options: Any,
 ) -> AuthChain:
@@ -130,7 +133,9 @@ async def assemble_auth(
     )
     auth = ProxyAuth(TokenVerifier(Keyring([KEY])), apps={"chat"}, **auth_options)
     proxy_server, proxy = await nursery.start(
-        functools.partial(serve_proxy, routes, auth=auth, scheduler=scheduler, upstream=proxy_upstream)
+        functools.partial(
+            serve_proxy, routes, auth=auth, scheduler=scheduler, tenant_key=tenant_key, upstream=proxy_upstream
+        )
     )
     edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
     return AuthChain(edge, proxy_server, proxy, worker, auth, replicas["chat-0"], replicas["open-0"])
@@ -354,3 +359,28 @@ async def test_unknown_hosts_are_still_a_503(nursery: trio.Nursery) -> None:
         assert response.status_code == 503
         assert chain.auth.statistics().required == 0
         assert chain.proxy.statistics().no_route == 1
+
+
+async def test_the_scheduler_can_key_tenants_by_the_verified_token(nursery: trio.Nursery) -> None:
+    """``tenant_key=token_tenant()``: a request with a token is the token's tenant, whatever
+    ``x-tenant`` it claims; a request for an app without auth falls back to the header."""
+    with trio.fail_after(10):
+        chain = await assemble_auth(
+            nursery,
+            scheduler=SchedulerConfig(budget=8),
+            tenant_key=token_tenant(),
+        )
+        async with client() as http:
+            for _ in range(3):
+                response = await http.get(
+                    f"{chain.url}/",
+                    headers={"host": CHAT, "authorization": f"Bearer {token(tenant='acme')}", "x-tenant": "spoof"},
+                )
+                assert response.status_code == 200
+            response = await http.get(f"{chain.url}/", headers={"host": OPEN, "x-tenant": "bob"})
+            assert response.status_code == 200
+        scheduler = chain.proxy.scheduler
+        assert scheduler is not None
+        tenants = scheduler.statistics().tenants
+        assert tenants["acme"].granted == 3 and tenants["bob"].granted == 1
+        assert "spoof" not in tenants
