@@ -1,6 +1,6 @@
 """proxyblocks: composable reverse-proxy building blocks on Trio."""
 
-from blocks.demo import DemoApp, serve_demo_replica
+from blocks.demo import DemoApp, serve_demo_replica, websocket_echo
 from blocks.errors import (
     BadRequest,
     BlocksError,
@@ -68,12 +68,15 @@ from blocks.load import (
     encode_load,
     parse_load,
 )
+from blocks.mirror import MIRROR_HEADER, Mirror, MirrorConfig, MirrorStatistics, open_mirror
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 from blocks.prober import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
 from blocks.routing import (
     Address,
     AffinityHash,
+    AppSettings,
     LeastInFlight,
+    MirrorSetting,
     OutlierConfig,
     OutlierDetector,
     OutlierStatistics,
@@ -88,12 +91,31 @@ from blocks.routing import (
     RouteTable,
     decode_domain,
     decode_replica,
+    decode_settings,
     encode_domain,
     encode_replica,
+    encode_settings,
     route_key_for_domain,
     route_key_for_replica,
+    route_key_for_settings,
 )
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler, token_tenant
+from blocks.sessions import (
+    ENDED_HEADER,
+    SESSION_HEADER,
+    SESSIONS_PATH,
+    ReplicaSessions,
+    SessionBroker,
+    SessionConfig,
+    SessionGone,
+    SessionPlacer,
+    SessionStatistics,
+    SessionTicket,
+    SessionTracker,
+    TrackerStatistics,
+    WorkerSessionConfig,
+    open_sessions,
+)
 from blocks.singleflight import SingleFlight, SingleFlightStatistics, open_single_flight
 from blocks.sources import (
     Compacted,
@@ -113,6 +135,7 @@ from blocks.sources import (
     reconcile,
     write_route_file,
 )
+from blocks.tee import MirrorPair, Observation, RouteComparison, Sampler
 from blocks.timing import Timing, add_server_timing, parse_server_timing
 from blocks.tls import make_self_signed, server_context
 from blocks.tokens import (
@@ -127,6 +150,14 @@ from blocks.tokens import (
     TokenVerifier,
     TokenVerifierConfig,
     TokenVerifierStatistics,
+)
+from blocks.websocket import (
+    WebSocketApp,
+    WebSocketConfig,
+    WebSocketHandler,
+    WebSocketStatistics,
+    open_websocket_app,
+    serve_websocket_app,
 )
 
 __all__ = [
@@ -182,6 +213,12 @@ __all__ = [
     "encode_replica",
     "route_key_for_domain",
     "route_key_for_replica",
+    # per-app settings
+    "AppSettings",
+    "MirrorSetting",
+    "decode_settings",
+    "encode_settings",
+    "route_key_for_settings",
     # fair scheduler
     "FairQueue",
     "Grant",
@@ -230,6 +267,16 @@ __all__ = [
     "serve_edge",
     "serve_proxy",
     "serve_worker",
+    # mirror tee
+    "MIRROR_HEADER",
+    "Mirror",
+    "MirrorConfig",
+    "MirrorPair",
+    "MirrorStatistics",
+    "Observation",
+    "RouteComparison",
+    "Sampler",
+    "open_mirror",
     # timing
     "Timing",
     "add_server_timing",
@@ -239,6 +286,14 @@ __all__ = [
     "make_self_signed",
     "serve_demo_replica",
     "server_context",
+    "websocket_echo",
+    # WebSockets
+    "WebSocketApp",
+    "WebSocketConfig",
+    "WebSocketHandler",
+    "WebSocketStatistics",
+    "open_websocket_app",
+    "serve_websocket_app",
     # route sources
     "Compacted",
     "EmbeddedStore",
@@ -260,6 +315,21 @@ __all__ = [
     "SingleFlight",
     "SingleFlightStatistics",
     "open_single_flight",
+    # sticky sessions
+    "ENDED_HEADER",
+    "SESSIONS_PATH",
+    "SESSION_HEADER",
+    "ReplicaSessions",
+    "SessionBroker",
+    "SessionConfig",
+    "SessionGone",
+    "SessionPlacer",
+    "SessionStatistics",
+    "SessionTicket",
+    "SessionTracker",
+    "TrackerStatistics",
+    "WorkerSessionConfig",
+    "open_sessions",
     # tokens
     "InvalidToken",
     "Keyring",

@@ -20,6 +20,17 @@ Two clocks bound a head (slowloris): a kept-alive connection waits at most
 ``h1_idle_timeout`` for the first byte of its next request, and a head must
 be complete within ``h1_header_timeout`` of its first byte (of the
 connection's start for the first request), else 408.
+
+WebSockets (RFC 6455). A bodiless request with ``Upgrade: websocket`` is
+checked here (``GET``, HTTP/1.1, ``Connection: upgrade``, version 13 else
+426, a key of 16 base64 bytes else 400) and handed on as a tunnel: a
+``CONNECT`` with ``protocol = b"websocket"``, as it would come on h2 (RFC
+8441), without the fields that tie it to this connection. Nothing the client
+sends after the head is read until the handler accepts with a 200: then
+``101 Switching Protocols`` goes out, and the connection becomes two pipes
+(the client's bytes are the request body, the response body goes to the
+client) until either side ends. A refusal is an ordinary response, and the
+connection closes after it. Ordinary requests pay one look at h11's state.
 """
 
 from __future__ import annotations
@@ -27,13 +38,15 @@ from __future__ import annotations
 import http
 import logging
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import h11
 import trio
 
 from blocks._h1 import H1Body, H1Stream
-from blocks._validate import check_authority, check_header_list_size
+from blocks._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, valid_key
+from blocks._validate import check_authority, check_header_list_size, upgrade_required
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import (
     HOP_BY_HOP,
@@ -46,6 +59,7 @@ from blocks.http import (
     empty_body,
     error_response,
     respond,
+    strip_hop_by_hop,
 )
 from blocks.timing import Timing
 
@@ -63,6 +77,8 @@ _ABSOLUTE = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)(.*)\Z", re.DOTA
 # is read and dropped before closing (see _linger).
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 1024 * 1024
+# Where h11 holds a request that asked to Upgrade (a documented state, left out of h11.__all__).
+_MIGHT_SWITCH = h11.MIGHT_SWITCH_PROTOCOL  # type: ignore[attr-defined]
 
 
 class H1RequestBody(H1Body):
@@ -172,6 +188,21 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
         # connection is ready for the next request once the response is out.
         reader.conn.next_event()
         body = empty_body()
+        if reader.conn.their_state is _MIGHT_SWITCH:  # it asked to Upgrade
+            tunnel = _websocket(event, method, headers, reader, config)
+            if tunnel is not None:
+                return Request(
+                    b"CONNECT",
+                    scheme,
+                    authority,
+                    target,
+                    tunnel[0],
+                    tunnel[1],
+                    client,
+                    "1.1",
+                    Timing(),
+                    protocol=b"websocket",
+                )
     return Request(
         method,
         scheme,
@@ -183,6 +214,90 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
         event.http_version.decode(),
         Timing(),
     )
+
+
+class H1TunnelBody(Body):
+    """The client's bytes once its WebSocket is accepted: h11's leftovers, then the socket.
+
+    Nothing is read before :meth:`open` (the 101 is out), so a refused
+    upgrade leaves the connection's input untouched. The socket is read only
+    as the consumer asks: back-pressure is the socket's. The end of the
+    client's input is the end of the body; a broken socket, or an
+    :meth:`aclose` while a read waits, is a :class:`~blocks.errors.StreamReset`.
+    """
+
+    __slots__ = ("_broken", "_done", "_gate", "_initial", "_stream", "accept", "on_eof")
+
+    def __init__(self, stream: trio.abc.Stream, accept: bytes) -> None:
+        super().__init__(None)
+        self._stream = stream
+        self._gate = trio.Event()
+        self._initial = b""
+        self._done = False
+        self._broken = False
+        self.accept = accept
+        self.on_eof: Callable[[], None] | None = None  # called once the client's input has ended
+
+    @property
+    def ended(self) -> bool:
+        return self._done and not self._broken
+
+    def open(self, initial: bytes) -> None:
+        """The 101 went out: the client's bytes may flow (``initial``: what h11 read past the head)."""
+        self._initial = initial
+        self._gate.set()
+
+    async def receive(self) -> bytes:
+        if not self._gate.is_set():
+            await self._gate.wait()
+        if self._done:
+            if self._broken:
+                raise StreamReset("the client's tunnel closed")
+            return b""
+        if self._initial:
+            data, self._initial = self._initial, b""
+            return data
+        try:
+            data = bytes(await self._stream.receive_some(65536))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._done = self._broken = True
+            raise StreamReset("the client's tunnel broke") from exc
+        if not data:
+            self._done = True
+            if self.on_eof is not None:
+                self.on_eof()
+        return data
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = self._broken = True
+        self._gate.set()
+
+
+def _websocket(
+    event: h11.Request, method: bytes, headers: Headers, reader: H1Stream, config: ListenerConfig
+) -> tuple[Headers, H1TunnelBody] | None:
+    """A WebSocket upgrade as a tunnel's fields and body; None for another Upgrade (served as before)."""
+    if b"websocket" not in comma_tokens(headers, b"upgrade"):
+        return None  # h2c and the like: an ordinary request, the upgrade ignored
+    if method != b"GET":
+        raise BadRequest("a WebSocket upgrade on a method other than GET")
+    if event.http_version != b"1.1":
+        raise BadRequest("a WebSocket upgrade on HTTP/1.0")
+    if b"upgrade" not in comma_tokens(headers, b"connection"):
+        raise BadRequest("Upgrade: websocket without Connection: upgrade")
+    versions = [value for name, value in headers if name == b"sec-websocket-version"]
+    if versions != [WEBSOCKET_VERSION]:
+        raise upgrade_required()
+    keys = [value for name, value in headers if name == b"sec-websocket-key"]
+    if len(keys) != 1 or not valid_key(keys[0]):
+        raise BadRequest("a missing or malformed sec-websocket-key")
+    fields = [
+        (name, value)
+        for name, value in strip_hop_by_hop(headers)
+        if name not in KEY_FIELDS and name != b"content-length"
+    ]
+    return fields, H1TunnelBody(reader.stream, accept_token(keys[0]))
 
 
 def _response_head(response: Response, close: bool) -> h11.Response:
@@ -291,6 +406,7 @@ async def serve_h1(
         if drain.draining and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
             return
         event, error = await _read_head(reader, config, drain, first=first)
+        error_headers: Headers | None = None
         first = False
         if type(event) is h11.ConnectionClosed or (event is None and error is None):
             return
@@ -299,11 +415,15 @@ async def serve_h1(
                 request = _request_from(event, reader, client, scheme, config)
             except BlocksError as exc:
                 error = exc.status
+                error_headers = exc.headers
             except ValueError:
                 error = 400
         broken: int | None = None  # why the client's own upload broke, if it did
         if request is not None:
             response = await respond(handler, request)
+            if request.protocol is not None and response.status == 200:
+                await _serve_tunnel(stream, conn, request, response, config)
+                return
             body = request.body
             if type(body) is H1RequestBody and body.status is not None:
                 broken = body.status
@@ -313,11 +433,12 @@ async def serve_h1(
                 response.closed()
                 response = error_response(broken)
         else:
-            response = error_response(error or 400)
+            response = error_response(error or 400, error_headers)
         if request is not None and request.method == b"HEAD" and not response.body.ended:
             await response.body.aclose()
             response.body = empty_body()
-        close = drain.draining or request is None or broken is not None
+        # (A refused upgrade closes too: the client may have sent tunnel bytes we will not read.)
+        close = drain.draining or request is None or broken is not None or request.protocol is not None
         try:
             await _send_response(stream, conn, response, close)
         except (StreamReset, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -336,6 +457,53 @@ async def serve_h1(
             # (Not after an early answer: a relay may still be reading the body.)
             await _linger(stream)
         return
+
+
+_NOT_IN_101 = frozenset({b"content-length", *KEY_FIELDS})
+
+
+async def _serve_tunnel(
+    stream: trio.abc.Stream, conn: h11.Connection, request: Request, response: Response, config: ListenerConfig
+) -> None:
+    """The handler accepted a WebSocket: 101, then the response body to the client until it ends.
+
+    The client's bytes flow meanwhile through ``request.body``, pulled by
+    whoever the handler gave it to. A write to the client that makes no
+    progress for ``stall_timeout`` ends the tunnel (a client that stopped
+    reading); once the client's input has ended, the upstream has
+    ``close_timeout`` to end its side too. Whichever way it ends, both
+    bodies are closed and the connection with them.
+    """
+    body = request.body
+    assert type(body) is H1TunnelBody
+    out = response.body
+    try:
+        head = [(b"upgrade", b"websocket"), (b"connection", b"Upgrade"), (b"sec-websocket-accept", body.accept)]
+        head += [(n, v) for n, v in response.headers if n not in HOP_BY_HOP and n not in _NOT_IN_101]
+        switch = h11.InformationalResponse(status_code=101, headers=head, reason=b"Switching Protocols")
+        await stream.send_all(conn.send(switch))
+        body.open(conn.trailing_data[0])
+        with trio.CancelScope() as scope:
+
+            def client_done() -> None:
+                scope.deadline = min(scope.deadline, trio.current_time() + config.close_timeout)
+
+            body.on_eof = client_done
+            while chunk := await out.receive():
+                with trio.move_on_after(config.stall_timeout) as stalled:
+                    await stream.send_all(chunk)
+                if stalled.cancelled_caught:
+                    log.debug("the WebSocket client %s stopped reading; closing", request.client)
+                    return
+            if isinstance(stream, trio.abc.HalfCloseableStream):
+                await stream.send_eof()
+    except (StreamReset, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        if not out.ended:
+            await _abandon(out)
+        response.closed()
+        await body.aclose()
 
 
 async def _abandon(body: Body) -> None:

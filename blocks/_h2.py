@@ -208,6 +208,7 @@ def make_h2(
     huffman: bool = False,
     guard: GuardedFrameBuffer | None = None,
     check_lengths: bool = True,
+    connect_protocol: bool = False,
 ) -> h2.connection.H2Connection:
     """An ``H2Connection`` for one side of one hop, with h2's header checks off.
 
@@ -215,6 +216,8 @@ def make_h2(
     turns a malformed request into a connection error. Proxyblocks validates
     request heads once, at the edge, in :mod:`blocks._validate` (a stream
     error, 400); every other hop only hears from a hop that did.
+    ``connect_protocol`` (servers) advertises ``SETTINGS_ENABLE_CONNECT_PROTOCOL``
+    (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.
     """
     config = h2.config.H2Configuration(
         client_side=client_side,
@@ -241,6 +244,7 @@ def make_h2(
             codes.INITIAL_WINDOW_SIZE: stream_window,
             codes.MAX_HEADER_LIST_SIZE: max_header_list_size,
             codes.ENABLE_PUSH: 0,
+            **({codes.ENABLE_CONNECT_PROTOCOL: 1} if connect_protocol else {}),
         },
     )
     return conn

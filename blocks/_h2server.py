@@ -73,6 +73,7 @@ class H2ServerConnection(H2Driver):
             huffman=config.hpack_huffman,
             guard=guard,
             check_lengths=not config.validate,  # a validating listener checks them per stream
+            connect_protocol=config.enable_connect_protocol,
         )
         super().__init__(
             stream, conn, connection_window=config.connection_window, max_backlog=config.max_outbound_buffer
@@ -188,10 +189,15 @@ class H2ServerConnection(H2Driver):
             if self.body_limit is not None and length > self.body_limit:
                 error = PayloadTooLarge(f"declared body of {length} bytes is over {self.body_limit}")
             st.expected = length
+        if request.protocol is not None:
+            # A tunnel (extended CONNECT, a WebSocket) carries a stream, not a
+            # body: it lives as long as it likes, and max_request_body does not
+            # count it (its count starts too low to ever reach the limit).
+            st.received = -_UNLIMITED
         ended = ev.stream_ended is not None
         if ended:
             st.remote_ended = True
-        elif self.config.request_body_timeout is not None:
+        elif self.config.request_body_timeout is not None and request.protocol is None:
             st.body_deadline = trio.current_time() + self.config.request_body_timeout
         if ended and length and error is None and self.config.validate:
             error = BadRequest(f"no body, where content-length declares {length} bytes")
@@ -209,8 +215,15 @@ class H2ServerConnection(H2Driver):
         validates everything here, so a malformed request is a stream error
         (400) that leaves the connection's other streams alone.
         """
-        if self.config.validate:
-            return validate_request_head(request, raw, self.config.max_header_list_size, self.config.max_header_count)
+        config = self.config
+        if config.validate:
+            return validate_request_head(
+                request,
+                raw,
+                config.max_header_list_size,
+                config.max_header_count,
+                connect_protocol=config.enable_connect_protocol,
+            )
         headers = request.headers
         length = None
         for name, value in raw:
@@ -223,6 +236,8 @@ class H2ServerConnection(H2Driver):
                     request.authority = value
                 elif name == b":scheme":
                     request.scheme = value
+                elif name == b":protocol":
+                    request.protocol = value
             else:
                 if name == b"content-length":
                     length = int(value)
@@ -413,7 +428,7 @@ class H2ServerConnection(H2Driver):
                 if st.closed:
                     return
                 if error is not None:
-                    response = error_response(error.status)
+                    response = error_response(error.status, error.headers)
                 else:
                     response = await respond(self.handler, request)
                     refused = st.body.error if st.body is not None else None

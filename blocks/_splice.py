@@ -47,11 +47,14 @@ _STATUS = {code: b"%d" % code for code in range(100, 600)}
 HeadFilter = Callable[[int, Headers], Headers]
 """Rewrites the response head on its way downstream (Server-Timing, ...)."""
 
+Tap = Callable[[bytes, bool, "Headers | None"], None]
+"""Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks._tap`)."""
+
 
 class _Pipe:
     """One direction of a splice: DATA and the end of stream, ``src`` -> ``dst``."""
 
-    __slots__ = ("done", "dst", "dst_st", "ended", "pending", "src", "src_st", "trailers")
+    __slots__ = ("done", "dst", "dst_st", "ended", "pending", "src", "src_st", "tap", "trailers")
 
     def __init__(self, src: H2Driver, src_st: H2Stream, dst: H2Driver, dst_st: H2Stream) -> None:
         self.src = src
@@ -62,8 +65,11 @@ class _Pipe:
         self.ended = False
         self.done = False
         self.trailers: Headers | None = None
+        self.tap: Tap | None = None  # sees each chunk as it is relayed (blocks._tap); never blocks
 
     def feed(self, data: bytes, size: int, end: bool) -> None:
+        if self.tap is not None:
+            self.tap(data, end, None)
         padding = size - len(data)
         if padding:
             self.src.h2.acknowledge_received_data(padding, self.src_st.id)
@@ -131,6 +137,8 @@ class _Pipe:
             self._finish()
 
     def end(self, trailers: Headers | None) -> None:
+        if self.tap is not None:
+            self.tap(b"", True, trailers)
         self.ended = True
         if trailers:
             self.trailers = trailers
@@ -240,6 +248,8 @@ class Splice:
             return
         self.head_sent = True
         if ended:
+            if self.response.tap is not None:
+                self.response.tap(b"", True, None)
             self.response.ended = self.response.done = True
             self.down_st.local_ended = True
         self.down.mark()

@@ -30,7 +30,13 @@ _AUTHORITY = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]+)(
 _SCHEME = re.compile(rb"[a-z][a-z0-9+\-.]*\Z")
 _METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
-_PSEUDO = {b":method": "method", b":scheme": "scheme", b":authority": "authority", b":path": "path"}
+_PSEUDO = {
+    b":method": "method",
+    b":scheme": "scheme",
+    b":authority": "authority",
+    b":path": "path",
+    b":protocol": "protocol",
+}
 
 
 def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None) -> None:
@@ -69,7 +75,12 @@ def check_authority(authority: bytes) -> bytes:
 
 
 def validate_request_head(
-    request: Request, raw: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None
+    request: Request,
+    raw: list[tuple[bytes, bytes]],
+    max_size: int,
+    max_count: int | None = None,
+    *,
+    connect_protocol: bool = False,
 ) -> int | None:
     """Fill ``request`` from an h2 header block, checking it; return the declared length.
 
@@ -77,6 +88,13 @@ def validate_request_head(
     name and value plus 32), and ``max_count`` (when given) the number of
     regular fields: past either, 431, so that no later hop, whose decoder
     holds the same cap, ever sees a head it would refuse.
+
+    With ``connect_protocol`` (the listener advertised
+    ``SETTINGS_ENABLE_CONNECT_PROTOCOL``), an extended CONNECT (RFC 8441) is
+    a valid request: ``:protocol`` a token, with ``:scheme``, ``:path`` and
+    ``:authority`` all present; a WebSocket's must ask for
+    ``sec-websocket-version: 13`` (else 426, naming the version we speak).
+    A plain CONNECT stays 501, and ``:protocol`` anywhere else is a 400.
     """
     check_header_list_size(raw, max_size, max_count)
     headers = request.headers
@@ -123,7 +141,9 @@ def validate_request_head(
     if not method or not _METHOD.match(method):
         raise BadRequest("missing or bad :method")
     if method == b"CONNECT":
-        raise BadRequest("CONNECT is not supported", status=501)
+        _check_extended_connect(request, connect_protocol)
+    elif request.protocol is not None:
+        raise BadRequest(":protocol on a request other than CONNECT")
     if not request.scheme or not _SCHEME.match(request.scheme):
         raise BadRequest("missing or bad :scheme")
     path = request.path
@@ -138,3 +158,28 @@ def validate_request_head(
         raise BadRequest(":authority and host disagree")
     request.authority = check_authority(authority)
     return length
+
+
+WEBSOCKET_VERSION = b"13"
+
+
+def _check_extended_connect(request: Request, enabled: bool) -> None:
+    """RFC 8441 4-5: what an extended CONNECT must be, beyond an ordinary head."""
+    protocol = request.protocol
+    if protocol is None:
+        raise BadRequest("CONNECT is not supported", status=501)
+    if not enabled:
+        raise BadRequest(":protocol, where SETTINGS_ENABLE_CONNECT_PROTOCOL was not sent")
+    if not _METHOD.match(protocol):
+        raise BadRequest("bad :protocol")
+    if not request.authority:
+        raise BadRequest("extended CONNECT without :authority")
+    if protocol == b"websocket" and request.header(b"sec-websocket-version") != WEBSOCKET_VERSION:
+        raise upgrade_required()
+
+
+def upgrade_required() -> BadRequest:
+    """426 naming the WebSocket version we speak (RFC 6455 4.4)."""
+    error = BadRequest("unsupported sec-websocket-version", status=426)
+    error.headers = [(b"sec-websocket-version", WEBSOCKET_VERSION)]
+    return error

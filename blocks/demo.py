@@ -8,6 +8,15 @@ Answers under any authority:
 - ``GET /trailers`` -> a body, then trailers (``grpc-status: 0``) over h2.
 - ``GET /status/CODE`` -> that status.
 - ``GET /sleep?ms=N`` -> 200 after N ms.
+
+and WebSockets (h1 Upgrade or h2 extended CONNECT), with
+:func:`websocket_echo`:
+
+- any path: every message comes back as it was sent (text or binary); the
+  first subprotocol the client proposes is accepted; the text message
+  ``close CODE REASON`` makes the replica close with that code and reason;
+- ``/reject/CODE``: the handshake is refused with that status;
+- ``/silent``: the handshake is never answered.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from collections.abc import AsyncIterator
 from urllib.parse import parse_qs
 
 import trio
+import trio_websocket
 
 from blocks.http import Body, BytesBody, IterBody, Request, Response, text_response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.websocket import open_websocket_app
 
 MAX_STREAM_CHUNKS = 100_000
 
@@ -91,6 +102,33 @@ async def _ticks(n: int, ms: int) -> AsyncIterator[bytes]:
         yield b"token %d\n" % i
 
 
+async def websocket_echo(request: trio_websocket.WebSocketRequest) -> None:
+    """The demo WebSocket handler, for ``trio_websocket.serve_websocket`` or :func:`~blocks.open_websocket_app`.
+
+    Echoes every message; see the module docstring for ``close``,
+    ``/reject/CODE`` and ``/silent``.
+    """
+    path = request.path.partition("?")[0]
+    if path.startswith("/reject/"):
+        code = _int(path[8:], 403, 400, 599) or 403
+        await request.reject(code, body=f"refused with {code}\n".encode())
+        return
+    if path == "/silent":
+        await trio.sleep_forever()
+    proposed = request.proposed_subprotocols
+    ws = await request.accept(subprotocol=proposed[0] if proposed else None)
+    while True:
+        try:
+            message = await ws.get_message()
+        except trio_websocket.ConnectionClosed:
+            return
+        if isinstance(message, str) and message.startswith("close "):
+            close_code, _, reason = message[6:].partition(" ")
+            await ws.aclose(int(close_code), reason)
+            return
+        await ws.send_message(message)
+
+
 async def serve_demo_replica(
     name: str,
     *,
@@ -98,6 +136,7 @@ async def serve_demo_replica(
     port: int = 0,
     task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve :class:`DemoApp` ``name`` over h1 and h2c on one port."""
-    serve = functools.partial(serve_http, DemoApp(name), host=host, port=port, config=ListenerConfig())
-    await serve(task_status=task_status)
+    """Serve :class:`DemoApp` ``name`` over h1 and h2c on one port, WebSockets (:func:`websocket_echo`) included."""
+    async with open_websocket_app(websocket_echo, DemoApp(name)) as app:
+        serve = functools.partial(serve_http, app, host=host, port=port, config=ListenerConfig())
+        await serve(task_status=task_status)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -37,13 +38,15 @@ import trio
 
 from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
-from blocks.errors import BlocksError, NoRoute, StreamReset
+from blocks._tap import TappedBody, Tee, tap_splice
+from blocks.errors import BlocksError, NoRoute, StreamReset, Unauthorized
 from blocks.fair_queue import Grant, SchedulerConfig
 from blocks.http import HOP_BY_HOP, BytesBody, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.load import (
     LOAD_PATH,
     PROBE_HEADER,
+    REPLICA_HEADER,
     AutoscaleSignal,
     LoadEstimator,
     ProberAware,
@@ -51,17 +54,30 @@ from blocks.load import (
     ReplicaLoad,
     encode_load,
 )
+from blocks.mirror import Mirror, MirrorConfig, open_mirror
 from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 from blocks.prober import open_prober
 from blocks.routing import Address, LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler
+from blocks.sessions import (
+    SESSION_HEADER,
+    SESSIONS_PATH,
+    SessionBroker,
+    SessionConfig,
+    SessionGone,
+    SessionTracker,
+    WorkerSessionConfig,
+    open_sessions,
+)
+from blocks.sessions._broker import json_response
 from blocks.timing import Timing, add_server_timing
-from blocks.tokens import ProxyAuth
+from blocks.tokens import ProxyAuth, TokenClaims, TokenIssuer, TokenVerifier
+
+log = logging.getLogger("blocks.hops")
 
 _SCREENED = object()
 """``request.decision`` after a fast path that screened the request, then found no scheduler slot free."""
 INTERNAL_PREFIX = b"x-proxyblocks-"
-REPLICA_HEADER = b"x-proxyblocks-replica"
 _FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
 
 
@@ -79,10 +95,12 @@ class Forward:
     (release an in-flight count, a slot). ``on_status``, if set, hears the
     status of the upstream's response head, or the error status when the
     upstream never answered (502 for a refused connection, 504 for a
-    timeout): what outlier detection feeds on.
+    timeout): what outlier detection feeds on. ``tee``, if set, watches the
+    exchange go by without ever holding it up (:class:`~blocks._tap.Tee`; the
+    mirror's copy of a sampled request).
     """
 
-    __slots__ = ("address", "headers", "on_close", "on_status", "protocol")
+    __slots__ = ("address", "headers", "on_close", "on_status", "protocol", "tee")
 
     def __init__(
         self,
@@ -92,12 +110,14 @@ class Forward:
         protocol: str = "h2",
         on_close: Callable[[], None] | None = None,
         on_status: Callable[[int], None] | None = None,
+        tee: Tee | None = None,
     ) -> None:
         self.address = address
         self.headers = headers
         self.protocol = protocol
         self.on_close = on_close
         self.on_status = on_status
+        self.tee = tee
 
 
 class Hop:
@@ -156,7 +176,7 @@ class Hop:
         nothing; the proxy checks proxy-auth tokens here.
         """
 
-    def _head(self, request: Request, on_status: Callable[[int], None] | None) -> HeadFilter:
+    def _head(self, request: Request, on_status: Callable[[int], None] | None, tee: Tee | None = None) -> HeadFilter:
         timing = _timing(request)
         start = perf_counter()
         name, upstream_name, total = self.name, self.upstream_name, self.total
@@ -164,6 +184,8 @@ class Hop:
         def head(status: int, headers: Headers) -> Headers:
             if on_status is not None:
                 on_status(status)
+            if tee is not None:
+                tee.head(status, headers)
             timing.upstream = perf_counter() - start
             return add_server_timing(headers, timing.entries(name, upstream_name=upstream_name, total=total))
 
@@ -180,6 +202,8 @@ class Hop:
             raise
         if grant is not None and scheduler is not None:
             forward.on_close = _then_release(forward.on_close, scheduler, grant)
+        if forward.tee is not None:
+            forward.on_close = _then_close(forward.on_close, forward.tee)
         return forward
 
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
@@ -207,9 +231,11 @@ class Hop:
             down,
             st,
             request_ended=ended,
-            head_filter=self._head(request, forward.on_status),
+            head_filter=self._head(request, forward.on_status, forward.tee),
             on_close=forward.on_close,
         ):
+            if forward.tee is not None:
+                tap_splice(st, forward.tee, ended)
             return True
         request.decision = forward
         return False
@@ -227,7 +253,10 @@ class Hop:
             forward = self._admitted(request, grant)
         else:
             forward = decision
-        head = self._head(request, forward.on_status)
+        tee = forward.tee
+        head = self._head(request, forward.on_status, tee)
+        if tee is not None:
+            request.body = TappedBody(request.body, tee.request, tee.abort)
         try:
             response = await self.upstreams.request(
                 forward.address, request, forward.headers, protocol=forward.protocol
@@ -241,7 +270,18 @@ class Hop:
         if forward.on_close is not None:
             response.call_on_close(forward.on_close)
         response.headers = head(response.status, response.headers)
+        if tee is not None:
+            response.body = TappedBody(response.body, tee.response)
         return response
+
+
+def _then_close(on_close: Callable[[], None] | None, tee: Tee) -> Callable[[], None]:
+    def done() -> None:
+        if on_close is not None:
+            on_close()
+        tee.closed()
+
+    return done
 
 
 def _then_release(on_close: Callable[[], None] | None, scheduler: Scheduler, grant: Grant) -> Callable[[], None]:
@@ -274,9 +314,18 @@ class EdgeConfig:
 
 
 class Edge(Hop):
-    """Faces the clients; everything goes to the proxy."""
+    """Faces the clients; everything goes to the proxy.
+
+    A WebSocket (``request.protocol``, from an h1 Upgrade or an h2 extended
+    CONNECT) goes on as an extended CONNECT, its ``:protocol`` carried by the
+    request; its ``sec-websocket-version``, ``-protocol`` and ``-extensions``
+    cross, and the fields that bind a handshake to one h1 connection
+    (``sec-websocket-key``, ``-accept``) never do.
+    """
 
     total = True
+    # blocks._upgrade.KEY_FIELDS: each h1 leg of a tunnel makes its own.
+    _tunnel_only = frozenset({b"sec-websocket-key", b"sec-websocket-accept"})
 
     def __init__(self, config: EdgeConfig, upstreams: Upstreams) -> None:
         super().__init__(config.name, upstreams)
@@ -315,6 +364,8 @@ class Edge(Hop):
             else:
                 headers.append((b"x-forwarded-for", client))
         headers.append((b"via", request.http_version.encode() + b" " + self._via))
+        if request.protocol is not None:
+            headers = [(name, value) for name, value in headers if name not in self._tunnel_only]
         return headers
 
     def decide(self, request: Request) -> Forward:
@@ -344,6 +395,13 @@ class Proxy(Hop):
     that requires a proxy-auth token and lacks a valid one for that app is
     a 401 from :meth:`screen`: before the scheduler, the replica pick and any
     upstream.
+
+    With ``sessions`` (a :class:`~blocks.sessions.SessionBroker`), the
+    sessioned apps' requests that carry a session token go to the replica
+    the token names (a 410 if it is gone), and ``POST`` / ``DELETE
+    /.proxyblocks/sessions`` on their domains start and end sessions. A
+    valid session token opens its app on its own; a start needs a
+    proxy-auth token for the app (``SessionConfig.require_auth``).
     """
 
     def __init__(
@@ -358,9 +416,13 @@ class Proxy(Hop):
         outliers: OutlierDetector | None = None,
         load: LoadEstimator | None = None,
         auth: ProxyAuth | None = None,
+        sessions: SessionBroker | None = None,
+        mirror: Mirror | None = None,
     ) -> None:
         self.config = config or ProxyConfig()
         self.auth = auth
+        self.sessions = sessions
+        self.mirror = mirror  # copies the sampled requests of apps whose settings say so
         self.outliers = outliers
         self.load = load  # told of every dispatch and completion (the prober's correction)
         super().__init__(self.config.name, upstreams, scheduler=scheduler, tenant_key=tenant_key)
@@ -371,25 +433,73 @@ class Proxy(Hop):
         self._via = (b"via", b"2 " + self.config.name.encode())
         self._phase = f"{self.config.name}-route"
         self._auth_phase = f"{self.config.name}-auth"
+        self._session_phase = f"{self.config.name}-session"
 
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(dict(self.in_flight), self._no_route)
 
     def screen(self, request: Request) -> None:
-        """Proxy auth, if configured: a 401 unless the request's token opens its app; the token is stripped."""
-        auth = self.auth
-        if auth is None:
+        """Session tokens and proxy auth, as configured: a 401 for a bad token; tokens are stripped.
+
+        A request of a sessioned app with a valid session token gets its
+        claims (``request.claims``), and needs no proxy-auth token. Otherwise,
+        a request of an app that requires proxy auth needs a valid
+        proxy-auth token for that app.
+        """
+        auth, sessions = self.auth, self.sessions
+        if auth is None and sessions is None:
             return
         start = perf_counter()
         app = self.routes.app_for(request.authority)
-        if app is not None:  # no app: decide answers 503
+        if app is None:
+            return  # decide answers 503
+        if sessions is not None and app in sessions.apps:
+            if request.path == SESSIONS_PATH and request.method == b"POST":
+                sessions.strip(request)  # a start is authorized like any request, not by an old session
+            else:
+                claims = sessions.read(app, request)
+                if claims is not None:
+                    request.claims = claims
+                    if auth is not None:
+                        request.headers = auth.strip(app, request.headers)
+                    _timing(request).phase(self._session_phase, perf_counter() - start)
+                    return
+        if auth is not None:
             claims, request.headers = auth.authorize(app, request.headers, time.time())
             if claims is not None:  # the app requires auth: its check is a phase of its own
                 request.claims = claims
                 _timing(request).phase(self._auth_phase, perf_counter() - start)
 
+    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
+        if self.sessions is not None and request.path == SESSIONS_PATH:
+            return False  # a start or terminate: the handler answers it (a task: it awaits the worker)
+        return super().relay(request, down, st, ended)
+
+    async def handle(self, request: Request) -> Response:
+        sessions = self.sessions
+        if sessions is not None and request.decision is None and request.path == SESSIONS_PATH:
+            app = self.routes.app_for(request.authority)
+            if app is not None and app in sessions.apps:
+                return await self._session_control(request, app, sessions)
+        return await super().handle(request)
+
+    async def _session_control(self, request: Request, app: str, sessions: SessionBroker) -> Response:
+        self.screen(request)
+        if request.method == b"POST":
+            sessions.authorize_start(app, request)
+            return await sessions.start(app, self.tenant_key(request))
+        if request.method == b"DELETE":
+            claims = request.claims
+            if claims is None or claims.kind != "session":
+                raise Unauthorized(f"no session token to end a session of app {app!r}")
+            return await sessions.terminate(app, claims)
+        raise BlocksError(f"{request.method!r} on {SESSIONS_PATH!r}", status=405)
+
     def decide(self, request: Request) -> Forward:
         """Pick the replica (in memory, never awaits); count it in flight."""
+        claims = request.claims
+        if claims is not None and claims.kind == "session":
+            return self._decide_session(request, claims)
         timing = _timing(request)
         start = perf_counter()
         routes = self.routes
@@ -412,7 +522,26 @@ class Proxy(Hop):
             self.load.dispatched(name)
         headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
         on_status = None if outliers is None else functools.partial(_record_outcome, outliers, replica)
-        return Forward(replica.worker, headers, on_close=self._release(name), on_status=on_status)
+        forward = Forward(replica.worker, headers, on_close=self._release(name), on_status=on_status)
+        if self.mirror is not None and app is not None:
+            forward.tee = self.mirror.tee(routes, app, request, headers, self.tenant_key)
+        return forward
+
+    def _decide_session(self, request: Request, claims: TokenClaims) -> Forward:
+        """The replica the session token names: no policy, no lookup beyond the routes in memory."""
+        assert self.sessions is not None  # only the broker's read gives session claims
+        replica = self.sessions.pinned(claims.app, claims)
+        name = replica.name
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
+        if self.load is not None:
+            self.load.dispatched(name)
+        headers = [
+            *request.headers,
+            self._via,
+            (SESSION_HEADER, (claims.session_id or "").encode()),
+            (REPLICA_HEADER, name.encode()),
+        ]
+        return Forward(replica.worker, headers, on_close=self._release(name))
 
     def _release(self, name: str) -> Callable[[], None]:
         in_flight, load = self.in_flight, self.load
@@ -437,12 +566,15 @@ class LocalReplica:
     """A replica as its worker reaches it.
 
     ``capacity``: how many requests it takes at once, as the worker's load
-    endpoint reports it (0, the default: unknown).
+    endpoint reports it (0, the default: unknown). ``max_sessions``: how
+    many sessions it hosts at once, when its worker keeps sessions (0: no
+    limit but the worker's own ``max_sessions``).
     """
 
     address: Address
     protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
     capacity: int = attrs.field(default=0, kw_only=True, validator=attrs.validators.ge(0))
+    max_sessions: int = attrs.field(default=0, kw_only=True, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen
@@ -454,18 +586,38 @@ class WorkerStatistics:
 class Worker(Hop):
     """Relays each stream to the replica the proxy named, counting in-flight per replica.
 
-    It answers one request itself: ``GET /.proxyblocks/load`` carrying
-    ``x-proxyblocks-probe`` (:data:`~blocks.load.LOAD_PATH`,
-    :data:`~blocks.load.PROBE_HEADER`) gets :meth:`load` as JSON, for the
-    prober (:mod:`blocks.prober`). The edge drops ``x-proxyblocks-*`` from
-    clients, so a client's request for that path reaches its app like any
-    other. Normal requests pay one path comparison for it.
+    It answers the proxy's control requests itself, those carrying
+    ``x-proxyblocks-probe`` (:data:`~blocks.load.PROBE_HEADER`):
+    ``GET /.proxyblocks/load`` gets :meth:`load` as JSON, for the prober
+    (:mod:`blocks.prober`), and with ``sessions`` (a
+    :class:`~blocks.sessions.WorkerSessionConfig`), ``POST`` and ``DELETE
+    /.proxyblocks/sessions`` open and end sessions. The edge drops
+    ``x-proxyblocks-*`` from clients, so a client's request for those paths
+    reaches its app like any other. Normal requests pay two path
+    comparisons for it.
+
+    With ``sessions``, a request the proxy sent for a session (its id in
+    ``x-proxyblocks-session``, which the replica sees too) counts in its
+    session's in-flight, and gets a 410 if this worker does not host that
+    session on that replica (ended idle, terminated, or a worker restart).
     """
 
     upstream_name = "app"
 
-    def __init__(self, replicas: Mapping[str, LocalReplica], upstreams: Upstreams, *, name: str = "worker") -> None:
+    def __init__(
+        self,
+        replicas: Mapping[str, LocalReplica],
+        upstreams: Upstreams,
+        *,
+        name: str = "worker",
+        sessions: WorkerSessionConfig | None = None,
+    ) -> None:
         super().__init__(name, upstreams)
+        self.sessions = (
+            None
+            if sessions is None
+            else SessionTracker({key: replica.max_sessions for key, replica in replicas.items()}, sessions)
+        )
         self.replicas = {key.encode(): value for key, value in replicas.items()}
         self.in_flight: dict[str, int] = dict.fromkeys(replicas, 0)
         self.served: dict[str, int] = dict.fromkeys(replicas, 0)
@@ -477,9 +629,15 @@ class Worker(Hop):
     def load(self) -> dict[str, ReplicaLoad]:
         """Per local replica: requests in flight now, and its configured capacity."""
         loads = {}
+        tracker = self.sessions
         for key, replica in self.replicas.items():
             name = key.decode()
-            loads[name] = ReplicaLoad(self.in_flight[name], replica.capacity)
+            if tracker is None:
+                loads[name] = ReplicaLoad(self.in_flight[name], replica.capacity)
+            else:
+                loads[name] = ReplicaLoad(
+                    self.in_flight[name], replica.capacity, tracker.active(name), replica.max_sessions, tracker.revision
+                )
         return loads
 
     def load_response(self) -> Response:
@@ -492,15 +650,42 @@ class Worker(Hop):
         ]
         return Response(200, headers, BytesBody(data))
 
+    def session_response(self, request: Request) -> Response:
+        """The answer to the proxy's session start (``POST``) or terminate (``DELETE``).
+
+        ``{"active": n, "capacity": c, "revision": r}`` of the replica either way, with
+        201 (opened) or 409 (the replica, or the worker, is full) for a
+        start, 200 (ended) or 404 (no such session) for a terminate.
+        """
+        tracker = self.sessions
+        session = request.header(SESSION_HEADER)
+        replica = (request.header(REPLICA_HEADER) or b"").decode("ascii", "replace")
+        if tracker is None or session is None or replica not in tracker.capacities:
+            return json_response(404, {"error": "no such replica, or this worker keeps no sessions"})
+        name = session.decode("ascii", "replace")
+        if request.method == b"POST":
+            status = 201 if tracker.open(name, replica, trio.current_time()) else 409
+        elif request.method == b"DELETE":
+            status = 200 if tracker.terminate(name) is not None else 404
+        else:
+            return json_response(405, {"error": "POST or DELETE"})
+        active = tracker.active(replica)
+        capacity = tracker.capacities[replica]
+        return json_response(status, {"active": active, "capacity": capacity, "revision": tracker.revision})
+
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        if request.path == LOAD_PATH:
-            return False  # the handler answers a probe (or forwards a client's request for this path)
+        path = request.path
+        if path == LOAD_PATH or path == SESSIONS_PATH:  # noqa: SIM109  (two compares beat building a tuple per request)
+            return False  # the handler answers the proxy (or forwards a client's request for this path)
         return super().relay(request, down, st, ended)
 
     async def handle(self, request: Request) -> Response:
         # A declined fast path left its decision: only an undecided request can be a probe.
-        if request.decision is None and request.path == LOAD_PATH and request.header(PROBE_HEADER) is not None:
-            return self.load_response()
+        if request.decision is None and request.header(PROBE_HEADER) is not None:
+            if request.path == LOAD_PATH:
+                return self.load_response()
+            if request.path == SESSIONS_PATH:
+                return self.session_response(request)
         return await super().handle(request)
 
     def decide(self, request: Request) -> Forward:
@@ -520,9 +705,27 @@ class Worker(Hop):
             key, target = next(iter(self.replicas.items()))
         headers.append(self._via)
         name = key.decode()
+        tracker = self.sessions
+        if tracker is not None and len(headers) > 1 and headers[-2][0] == SESSION_HEADER:  # the proxy puts it there
+            session = headers[-2][1].decode("ascii", "replace")
+            if not tracker.begin(session, name, trio.current_time()):
+                raise SessionGone(f"this worker hosts no session {session!r} on replica {name!r}", reason="not-hosted")
+            self.in_flight[name] += 1
+            self.served[name] += 1
+            return Forward(
+                target.address,
+                headers,
+                protocol=target.protocol,
+                on_close=functools.partial(self._session_done, name, session),
+            )
         self.in_flight[name] += 1
         self.served[name] += 1
         return Forward(target.address, headers, protocol=target.protocol, on_close=_decrement(self.in_flight, name))
+
+    def _session_done(self, name: str, session: str) -> None:
+        self.in_flight[name] -= 1
+        if self.sessions is not None:
+            self.sessions.end(session, trio.current_time())
 
 
 # -- serving ----------------------------------------------------------------------------
@@ -583,6 +786,10 @@ async def serve_proxy(
     prober: ProberConfig | None = None,
     autoscale: AutoscaleSignal | None = None,
     auth: ProxyAuth | None = None,
+    sessions: SessionConfig | None = None,
+    session_issuer: TokenIssuer | None = None,
+    session_verifier: TokenVerifier | None = None,
+    mirror: MirrorConfig | None = None,
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
@@ -600,14 +807,31 @@ async def serve_proxy(
     then gets every app's in-flight (``proxy.load`` is the estimator).
     With ``auth``, apps that require a proxy-auth token get a 401 without
     one, before admission and routing (:class:`~blocks.tokens.ProxyAuth`).
+    With ``sessions``, its apps get sticky sessions
+    (:mod:`blocks.sessions`): ``session_issuer`` signs their tokens,
+    ``session_verifier`` reads them (by default, ``auth``'s verifier), and a
+    prober runs (``prober``, or its defaults) so the proxy hears of sessions
+    the workers end; ``autoscale`` then counts a sessioned app's sessions.
+    With ``mirror``, apps whose settings record has a ``mirror`` field get a
+    sampled share of their requests copied to a shadow (:mod:`blocks.mirror`);
+    the shadows are cancelled once the listener has drained.
     """
     async with contextlib.AsyncExitStack() as stack:
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
         fair = await stack.enter_async_context(open_scheduler(scheduler)) if scheduler is not None else None
+        broker = None
+        if sessions is not None:
+            verifier = session_verifier or (auth.verifier if auth is not None else None)
+            if session_issuer is None or verifier is None:
+                raise ValueError("sessions need a session_issuer, and a session_verifier (or auth's)")
+            broker = await stack.enter_async_context(
+                open_sessions(sessions, routes, upstreams, session_issuer, verifier)
+            )
         estimator = None
-        if prober is not None:
+        if prober is not None or broker is not None:
             estimator = LoadEstimator()
-            policy = policy or ProberAware(estimator)
+            if prober is not None:
+                policy = policy or ProberAware(estimator)
             await stack.enter_async_context(
                 open_prober(
                     upstreams,
@@ -616,8 +840,13 @@ async def serve_proxy(
                     prober,
                     autoscale=autoscale,
                     apps=routes.app_replicas,
+                    on_report=broker.report if broker is not None else None,
+                    session_apps=sessions.apps if sessions is not None else (),
                 )
             )
+            if prober is None:
+                estimator = None  # polled for sessions only: the policy and the proxy's counts stay as they were
+        tee = await stack.enter_async_context(open_mirror(mirror)) if mirror is not None else None
         nursery = await stack.enter_async_context(trio.open_nursery())
         proxy = Proxy(
             routes,
@@ -629,6 +858,8 @@ async def serve_proxy(
             tenant_key=tenant_key,
             outliers=OutlierDetector(outliers) if outliers is not None else None,
             auth=auth,
+            sessions=broker,
+            mirror=tee,
         )
         serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay)
         server = await nursery.start(serve)
@@ -641,13 +872,29 @@ async def serve_worker(
     host: str = "127.0.0.1",
     port: int = 0,
     name: str = "worker",
+    sessions: WorkerSessionConfig | None = None,
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Worker]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a :class:`Worker` for ``replicas``; ``task_status`` gets ``(server, worker)``."""
+    """Run a :class:`Worker` for ``replicas``; ``task_status`` gets ``(server, worker)``.
+
+    With ``sessions``, the worker keeps its replicas' sessions (each
+    replica's ``max_sessions``) and ends the idle ones.
+    """
     async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
-        worker = Worker(replicas, upstreams, name=name)
+        worker = Worker(replicas, upstreams, name=name, sessions=sessions)
+        if worker.sessions is not None:
+            nursery.start_soon(_expire_sessions, worker.sessions)
         serve = functools.partial(serve_http, worker.handle, host=host, port=port, config=listener, relay=worker.relay)
         server = await nursery.start(serve)
         task_status.started((server, worker))
+
+
+async def _expire_sessions(tracker: SessionTracker) -> None:
+    """End idle sessions, looking a few times per ``idle_timeout`` (at least once a second)."""
+    interval = min(tracker.config.idle_timeout / 4, 1.0)
+    while True:
+        await trio.sleep(interval)
+        for session, replica in tracker.expire(trio.current_time()):
+            log.debug("session %s on %s ended: idle", session, replica)

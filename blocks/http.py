@@ -249,6 +249,13 @@ class Request:
     claims: Any = None
     """The verified claims of the request's token, once a hop checked one
     (:class:`~blocks.tokens.TokenClaims`); what a tenant key may read."""
+    protocol: bytes | None = None
+    """The RFC 8441 ``:protocol`` of an extended CONNECT (``b"websocket"``), or
+    None for an ordinary request. Such a request is a tunnel: ``method`` is
+    ``b"CONNECT"``, ``body`` is the bytes from the client for as long as the
+    tunnel lives, and a handler accepts it with a 200 whose body is the bytes
+    to the client (any other status refuses it). A WebSocket that came in as
+    an HTTP/1.1 ``Upgrade`` arrives in the same form (see :mod:`blocks.websocket`)."""
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of header ``name`` (lowercase), or ``default``."""

@@ -88,6 +88,9 @@ class ListenerConfig:
     close_timeout: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
     drain_goaway_delay: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
     hpack_huffman: bool = False
+    enable_connect_protocol: bool = True
+    """h2: advertise ``SETTINGS_ENABLE_CONNECT_PROTOCOL`` (RFC 8441), so that
+    clients may open WebSockets (and other tunnels) with extended CONNECT."""
 
 
 @attrs.frozen

@@ -69,6 +69,9 @@ PROBE_HEADER = b"x-proxyblocks-probe"
 this field. The edge drops every ``x-proxyblocks-*`` field a client sends, so
 only a hop behind the edge (the prober) can set it."""
 
+REPLICA_HEADER = b"x-proxyblocks-replica"
+"""The replica the proxy picked, as it tells the worker (last of the fields it forwards)."""
+
 
 def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not math.isfinite(value):
@@ -80,10 +83,19 @@ def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -
 
 @attrs.frozen
 class ReplicaLoad:
-    """One replica's line in a worker's load document. ``capacity`` 0 is unknown."""
+    """One replica's line in a worker's load document. ``capacity`` 0 is unknown.
+
+    ``sessions``, ``session_capacity`` (0: no limit) and ``session_revision``
+    (the tracker's revision, which orders the worker's words) are there when
+    the worker keeps sessions (:class:`~blocks.sessions.SessionTracker`);
+    ``sessions`` is None otherwise.
+    """
 
     in_flight: int
     capacity: int = 0
+    sessions: int | None = None
+    session_capacity: int = 0
+    session_revision: int = 0
 
 
 @attrs.frozen
@@ -98,12 +110,18 @@ def encode_load(worker: str, replicas: Mapping[str, ReplicaLoad]) -> bytes:
     """The JSON body of a load answer::
 
     {"worker": "worker", "replicas": {"replica-0": {"in_flight": 3, "capacity": 8}}}
+
+    with ``"sessions"``, ``"session_capacity"`` and ``"session_revision"``
+    added to a replica's object when the worker keeps sessions.
     """
-    document = {
-        "worker": worker,
-        "replicas": {name: {"in_flight": load.in_flight, "capacity": load.capacity} for name, load in replicas.items()},
-    }
-    return json.dumps(document, separators=(",", ":")).encode()
+    lines: dict[str, dict[str, int]] = {}
+    for name, load in replicas.items():
+        line = lines[name] = {"in_flight": load.in_flight, "capacity": load.capacity}
+        if load.sessions is not None:
+            line["sessions"] = load.sessions
+            line["session_capacity"] = load.session_capacity
+            line["session_revision"] = load.session_revision
+    return json.dumps({"worker": worker, "replicas": lines}, separators=(",", ":")).encode()
 
 
 class _MalformedLoad(ValueError):
@@ -129,9 +147,13 @@ def parse_load(data: bytes) -> LoadReport:
     for name, load in replicas.items():
         if not isinstance(load, dict):
             raise _MalformedLoad(f"replica {name!r}: not an object")
+        sessions = load.get("sessions")
         parsed[name] = ReplicaLoad(
             _count(load.get("in_flight"), f"replica {name!r} in_flight"),
             _count(load.get("capacity", 0), f"replica {name!r} capacity"),
+            None if sessions is None else _count(sessions, f"replica {name!r} sessions"),
+            _count(load.get("session_capacity", 0), f"replica {name!r} session_capacity"),
+            _count(load.get("session_revision", 0), f"replica {name!r} session_revision"),
         )
     return LoadReport(worker, parsed)
 

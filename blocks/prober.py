@@ -20,7 +20,7 @@ waits for the head, the stream is reset and its slot freed at once.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,7 @@ from blocks.load import (
     PROBE_HEADER,
     AutoscaleSignal,
     LoadEstimator,
+    LoadReport,
     ProberConfig,
     parse_load,
 )
@@ -99,6 +100,8 @@ class Prober:
         *,
         autoscale: AutoscaleSignal | None = None,
         apps: Callable[[], Mapping[str, Sequence[Replica]]] | None = None,
+        on_report: Callable[[LoadReport, float], None] | None = None,
+        session_apps: Collection[str] = (),
     ) -> None:
         self.upstreams = upstreams
         self.workers = workers
@@ -106,6 +109,9 @@ class Prober:
         self.config = config
         self.autoscale = autoscale
         self.apps = apps
+        self.on_report = on_report
+        self.session_apps = session_apps
+        self._sessions: dict[str, int] = {}  # replica -> active sessions, from its worker's last answer
         self._workers: dict[Address, _Worker] = {}
         self._rounds = 0
         self._round_done = trio.Event()
@@ -173,6 +179,10 @@ class Prober:
         now = trio.current_time()
         for name, load in report.replicas.items():
             self.estimator.snapshot(name, load.in_flight, load.capacity, now, taken_at)
+            if load.sessions is not None:
+                self._sessions[name] = load.sessions
+        if self.on_report is not None:
+            self.on_report(report, taken_at)
         state.last_success = taken_at
         state.last_error = None
         state.replicas = len(report.replicas)
@@ -193,8 +203,13 @@ class Prober:
         if self.autoscale is not None and self.apps is not None:
             apps = self.apps()
             estimate = self.estimator.estimate
+            sessions = self._sessions
             for app, replicas in apps.items():
-                self.autoscale.record(app, sum(estimate(r.name) for r in replicas), len(replicas), now)
+                if app in self.session_apps:  # sessions are a sessioned app's unit of concurrency
+                    used = sum(sessions.get(r.name, 0) for r in replicas)
+                else:
+                    used = sum(estimate(r.name) for r in replicas)
+                self.autoscale.record(app, used, len(replicas), now)
             for app in self.autoscale.apps:
                 if app not in apps:
                     self.autoscale.forget(app)
@@ -223,6 +238,8 @@ async def open_prober(
     *,
     autoscale: AutoscaleSignal | None = None,
     apps: Callable[[], Mapping[str, Sequence[Replica]]] | None = None,
+    on_report: Callable[[LoadReport, float], None] | None = None,
+    session_apps: Collection[str] = (),
 ) -> AsyncIterator[Prober]:
     """A running :class:`Prober` for the ``async with`` block.
 
@@ -231,10 +248,22 @@ async def open_prober(
     ``upstreams`` is normally the proxy's own, so that polls ride the pooled
     h2 connections requests use. With ``autoscale`` and ``apps`` (app ->
     its replicas, read each round), each round records every app's estimated
-    in-flight total. The first round starts at once. Leaving the block stops
-    the prober; errors from the body come out as they are, not wrapped.
+    in-flight total, or for the ``session_apps``, their active sessions
+    (a sessioned app scales by sessions). ``on_report`` hears every worker's
+    parsed answer and when its poll was sent (the session broker's
+    estimate). The first round starts at once. Leaving the block stops the
+    prober; errors from the body come out as they are, not wrapped.
     """
-    prober = Prober(upstreams, workers, estimator, config or ProberConfig(), autoscale=autoscale, apps=apps)
+    prober = Prober(
+        upstreams,
+        workers,
+        estimator,
+        config or ProberConfig(),
+        autoscale=autoscale,
+        apps=apps,
+        on_report=on_report,
+        session_apps=session_apps,
+    )
     with one_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(prober._run_forever)

@@ -11,8 +11,9 @@ from pathlib import Path
 import blocks
 
 BLOCKS = Path(blocks.__file__).resolve().parent
-SANS_IO = ["routing", "fair_queue", "tokens"]
-"""Sans-IO blocks: a module, or a subpackage whose every module is sans-IO."""
+SANS_IO = ["routing", "fair_queue", "tokens", "tee", "sessions._core"]
+"""Sans-IO blocks: a module, a subpackage whose every module is sans-IO, or the sans-IO
+module of a subpackage that also holds its trio driver (``sessions._core``)."""
 
 
 def _sans_io_modules() -> list[tuple[str, Path]]:
@@ -25,13 +26,27 @@ def _sans_io_modules() -> list[tuple[str, Path]]:
                 name = block if path.stem == "__init__" else f"{block}.{path.stem}"
                 found.append((name, path))
         else:
-            found.append((block, BLOCKS / f"{block}.py"))
+            found.append((block, BLOCKS.joinpath(*block.split(".")).with_suffix(".py")))
     return found
+
+
+def _driver_packages(module: str) -> list[str]:
+    """The packages above ``module`` that are not sans-IO as a whole (their ``__init__`` may load trio)."""
+    parts = module.split(".")[:-1]
+    return [".".join(parts[: i + 1]) for i in range(len(parts)) if ".".join(parts[: i + 1]) not in SANS_IO]
 
 
 def test_the_sans_io_list_names_real_modules() -> None:
     names = [name for name, path in _sans_io_modules() if path.exists()]
-    expected = {"routing", "routing._cache", "routing._policies", "routing._rendezvous", "fair_queue", "tokens"}
+    expected = {
+        "routing",
+        "routing._cache",
+        "routing._policies",
+        "routing._rendezvous",
+        "fair_queue",
+        "tokens",
+        "sessions._core",
+    }
     assert expected <= set(names)
     assert len(names) == len(_sans_io_modules())
 
@@ -73,13 +88,16 @@ def test_sans_io_modules_do_not_import_trio() -> None:
 
 
 # Loads ``blocks.<module>`` without running the package's ``__init__`` (which
-# imports every block, trio ones included), so that only what the module
-# itself pulls in, directly or through other blocks, ends up in sys.modules.
+# imports every block, trio ones included), nor that of a subpackage that holds
+# a trio driver beside its sans-IO module (the names after the module), so that
+# only what the module itself pulls in, directly or through other blocks, ends
+# up in sys.modules.
 _PROBE = """
-import sys, types
-package = types.ModuleType("blocks")
-package.__path__ = [sys.argv[1]]
-sys.modules["blocks"] = package
+import os, sys, types
+for name in ["", *sys.argv[3:]]:
+    package = types.ModuleType("blocks" + (name and "." + name))
+    package.__path__ = [os.path.join(sys.argv[1], *name.split(".")) if name else sys.argv[1]]
+    sys.modules[package.__name__] = package
 __import__("blocks." + sys.argv[2])
 print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] in ("trio", "blocks"))))
 """
@@ -88,7 +106,11 @@ print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] in ("tr
 def test_sans_io_modules_load_without_trio() -> None:
     for module, _ in _sans_io_modules():
         result = subprocess.run(
-            [sys.executable, "-c", _PROBE, str(BLOCKS), module], capture_output=True, text=True, timeout=60, check=True
+            [sys.executable, "-c", _PROBE, str(BLOCKS), module, *_driver_packages(module)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         )
         loaded = result.stdout.split()
         assert f"blocks.{module}" in loaded

@@ -17,7 +17,9 @@ class UpstreamConfig:
 
     ``response_timeout`` bounds the wait for a response head (504 past it),
     checked every ``timeout_resolution`` seconds; a streaming body after the
-    head is not bounded by it.
+    head is not bounded by it. ``stall_timeout`` bounds each write into an
+    h1 tunnel (a WebSocket to an h1 upstream): an upstream that stops
+    reading for that long has the tunnel closed on both sides.
     """
 
     connect_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
@@ -29,6 +31,7 @@ class UpstreamConfig:
     connection_window: int = attrs.field(default=16 * 1024 * 1024, validator=attrs.validators.ge(65535))
     max_header_list_size: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1024))
     timeout_resolution: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+    stall_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
 
 
 @attrs.frozen

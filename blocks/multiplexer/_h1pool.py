@@ -1,4 +1,15 @@
-"""The HTTP/1.1 pool: kept-alive connections to one upstream address (see the package docstring)."""
+"""The HTTP/1.1 pool: kept-alive connections to one upstream address (see the package docstring).
+
+A WebSocket (a request with ``protocol = b"websocket"``) takes a connection
+of its own, never pooled: ``GET`` with ``Upgrade: websocket`` and a fresh
+key, the 101 awaited within the request's timeout (504 past it), its
+``Sec-WebSocket-Accept`` checked (502 if wrong, or if a 2xx comes instead);
+any other status is relayed as the answer. After the 101 the connection is
+two pipes, :class:`_H1Tunnel`: the response body is what the upstream sends,
+and a task in the pool's nursery writes the request body to it, each write
+bounded by ``stall_timeout``. Whichever side ends or fails first closes the
+connection, which ends the other.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,7 @@ import h11
 import trio
 
 from blocks._h1 import H1Body, H1Stream
+from blocks._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, new_key
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, empty_body
 from blocks.multiplexer._config import PoolStatistics, UpstreamConfig
@@ -17,6 +29,8 @@ log = logging.getLogger("blocks.multiplexer")
 
 # Retried once when a kept-alive h1 connection turns out to be closed.
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
+# What a WebSocket's h1 leg writes for itself, whatever came from downstream.
+_OWN_FIELDS = frozenset({*KEY_FIELDS, b"sec-websocket-version", b"content-length", b"host"})
 
 
 class _H1Connection(H1Stream):
@@ -60,6 +74,7 @@ class _H1Pool:
         self.nursery = nursery
         self.idle: list[_H1Connection] = []
         self.active = 0
+        self.tunnels: set[_H1Tunnel] = set()
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(self.address, "h1", len(self.idle) + self.active, self.active)
@@ -80,9 +95,12 @@ class _H1Pool:
             conn.close()  # synchronous: nothing to flush on a connection we drop
 
     def close_idle(self) -> None:
+        """Close the idle connections, and every tunnel (the pool is closing)."""
         for conn in self.idle:
             conn.close()
         self.idle.clear()
+        for tunnel in list(self.tunnels):
+            tunnel.close()
 
     async def _connect(self) -> _H1Connection:
         try:
@@ -92,6 +110,8 @@ class _H1Pool:
             raise UpstreamConnectError(f"cannot connect to {self.address[0]}:{self.address[1]}: {exc}") from exc
 
     async def request(self, request: Request, headers: Headers, timeout: float) -> Response:
+        if request.protocol is not None:
+            return await self._tunnel(request, headers, timeout)
         body = request.body
         for attempt in (0, 1):
             reused = bool(self.idle)
@@ -111,6 +131,64 @@ class _H1Pool:
                     await trio.aclose_forcefully(conn.stream)
                 raise
         raise AssertionError("unreachable")
+
+    def _drop(self, conn: _H1Connection) -> None:
+        """A connection that will never be reused: close it (no flush needed) and stop counting it."""
+        self.active -= 1
+        conn.close()
+
+    async def _tunnel(self, request: Request, headers: Headers, timeout: float) -> Response:
+        """A WebSocket to this upstream: the upgrade on a connection of its own (see the module docstring)."""
+        if request.protocol != b"websocket":
+            raise UpstreamProtocolError(f"no {request.protocol!r} tunnel over HTTP/1.1", status=501)
+        key = new_key()
+        fields: Headers = [(b"host", request.authority)]
+        fields += [(n, v) for n, v in headers if n not in HOP_BY_HOP and n not in _OWN_FIELDS]
+        fields += [
+            (b"connection", b"Upgrade"),
+            (b"upgrade", b"websocket"),
+            (b"sec-websocket-key", key),
+            (b"sec-websocket-version", WEBSOCKET_VERSION),
+        ]
+        conn = await self._connect()
+        self.active += 1
+        h = conn.h11
+        try:
+            with trio.move_on_after(timeout) as waited:
+                head = h.send(h11.Request(method=b"GET", target=request.path, headers=fields))
+                await conn.stream.send_all(head + h.send(h11.EndOfMessage()))
+                event = await conn.next_event()
+                while type(event) is h11.InformationalResponse and event.status_code != 101:
+                    event = await conn.next_event()  # 100 Continue and the like
+            if waited.cancelled_caught:
+                raise UpstreamTimeout(f"no answer to a WebSocket upgrade from {self.address} within {timeout}s")
+            if type(event) is h11.InformationalResponse:
+                return self._switched(conn, event, key, request.body)
+            if type(event) is not h11.Response:
+                raise UpstreamProtocolError(f"{self.address} closed the connection instead of answering an upgrade")
+            if event.status_code < 300:
+                raise UpstreamProtocolError(f"{self.address} answered a WebSocket upgrade with {event.status_code}")
+            # A refusal: relayed as it is, its body read from this connection, which then closes.
+            answer = [(n, v) for n, v in event.headers if n not in HOP_BY_HOP]
+            length = next((int(v) for n, v in answer if n == b"content-length"), None)
+            return Response(event.status_code, answer, _RefusalBody(conn, self, length))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+            self._drop(conn)
+            raise UpstreamProtocolError(f"a broken answer to a WebSocket upgrade from {self.address}: {exc}") from exc
+        except BaseException:
+            self._drop(conn)
+            raise
+
+    def _switched(self, conn: _H1Connection, event: h11.InformationalResponse, key: bytes, body: Body) -> Response:
+        """The upstream switched protocols: check it really accepted this key, then start the pipes."""
+        answer = list(event.headers)
+        accepts = [v for n, v in answer if n == b"sec-websocket-accept"]
+        if accepts != [accept_token(key)] or b"websocket" not in comma_tokens(answer, b"upgrade"):
+            raise UpstreamProtocolError(f"{self.address} switched protocols without accepting the WebSocket key")
+        tunnel = _H1Tunnel(self, conn, conn.h11.trailing_data[0])
+        self.nursery.start_soon(tunnel.pump, body)
+        fields = [(n, v) for n, v in answer if n not in HOP_BY_HOP and n not in _OWN_FIELDS]
+        return Response(200, fields, tunnel.body)
 
     async def _exchange(
         self, conn: _H1Connection, request: Request, headers: Headers, body: Body, timeout: float, reused: bool
@@ -183,3 +261,118 @@ class _H1Pool:
 
 class _StaleConnection(Exception):
     pass
+
+
+class _RefusalBody(H1Body):
+    """The body of a refused upgrade; the connection closes when it is over."""
+
+    __slots__ = ("_conn", "_pool")
+
+    peer = "upstream"
+
+    def __init__(self, conn: _H1Connection, pool: _H1Pool, length: int | None) -> None:
+        super().__init__(conn, length)
+        self._conn = conn
+        self._pool = pool
+
+    def finished(self, complete: bool) -> None:
+        if not self._done:
+            super().finished(complete)
+            self._pool._drop(self._conn)
+
+
+class _H1Tunnel:
+    """Both directions of an upgraded connection. The first to end or fail closes both.
+
+    The response body (:class:`_TunnelBody`) reads the upstream as its
+    consumer asks; :meth:`pump` writes the request body to it, each write
+    within ``stall_timeout``. The end of the request body half-closes the
+    connection (the upstream sees the client is done); the end of the
+    upstream's output, a failed read or write, or an abandoned response body
+    close it, which cancels the pump.
+    """
+
+    __slots__ = ("body", "closed", "conn", "pool", "scope")
+
+    def __init__(self, pool: _H1Pool, conn: _H1Connection, initial: bytes) -> None:
+        self.pool = pool
+        self.conn = conn
+        self.scope = trio.CancelScope()
+        self.closed = False
+        self.body = _TunnelBody(self, initial)
+        pool.tunnels.add(self)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.scope.cancel()
+            self.pool.tunnels.discard(self)
+            self.pool._drop(self.conn)  # a read waiting on the socket fails at once
+
+    async def pump(self, body: Body) -> None:
+        stream = self.conn.stream
+        stall = self.pool.config.stall_timeout
+        failed = False
+        try:
+            with self.scope:
+                while chunk := await body.receive():
+                    with trio.move_on_after(stall) as stalled:
+                        await stream.send_all(chunk)
+                    if stalled.cancelled_caught:
+                        log.debug("upstream %s stopped reading its WebSocket; closing", self.pool.address)
+                        failed = True
+                        break
+                else:
+                    if isinstance(stream, trio.abc.HalfCloseableStream):
+                        await stream.send_eof()
+                    return  # the response side goes on until the upstream ends it
+        except (StreamReset, trio.BrokenResourceError, trio.ClosedResourceError):
+            failed = True  # the client's side broke, or the upstream's
+        except BaseException:
+            self.close()  # the pool is closing
+            raise
+        self.close()
+        if failed and not body.ended:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await body.aclose()
+
+
+class _TunnelBody(Body):
+    """What the upstream sends after its 101: h11's leftovers, then the socket as the consumer reads."""
+
+    __slots__ = ("_broken", "_done", "_initial", "_tunnel")
+
+    def __init__(self, tunnel: _H1Tunnel, initial: bytes) -> None:
+        super().__init__(None)
+        self._tunnel = tunnel
+        self._initial = initial
+        self._done = False
+        self._broken = False
+
+    @property
+    def ended(self) -> bool:
+        return self._done and not self._broken
+
+    async def receive(self) -> bytes:
+        if self._done:
+            if self._broken:
+                raise StreamReset("the upstream's tunnel broke")
+            return b""
+        if self._initial:
+            data, self._initial = self._initial, b""
+            return data
+        try:
+            data = bytes(await self._tunnel.conn.stream.receive_some(65536))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._done = self._broken = True
+            self._tunnel.close()
+            raise StreamReset("the upstream's tunnel broke") from exc
+        if not data:
+            self._done = True
+            self._tunnel.close()
+        return data
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = self._broken = True
+            self._tunnel.close()

@@ -152,6 +152,13 @@ class H2ClientConnection(H2Driver):
             (b":authority", request.authority),
             (b":path", request.path),
         ]
+        if request.protocol is not None:
+            # An extended CONNECT (RFC 8441 3): only to a peer that said it takes them.
+            if not conn.remote_settings.enable_connect_protocol:
+                raise UpstreamProtocolError(
+                    f"upstream {self.pool.address} does not take extended CONNECT (no SETTINGS_ENABLE_CONNECT_PROTOCOL)"
+                )
+            head.append((b":protocol", request.protocol))
         head += headers
         conn.send_headers(sid, head, end_stream=end)
         st = H2Stream(sid)
@@ -451,6 +458,8 @@ class _Replay:
         )
         old.on_close = None
         old.closed = True
+        # Whoever watches the exchange (blocks._tap) goes on watching it on the new stream.
+        new.request.tap, new.response.tap = old.request.tap, old.response.tap
         for data, size, end, trailers in events:
             if data is None:
                 new.ended(down_st, trailers)
@@ -582,8 +591,8 @@ class _H2Pool:
             st = conn.open_spliced(
                 request, headers, down, down_st, request_ended=request_ended, head_filter=head_filter, on_close=on_close
             )
-        except h2.exceptions.ProtocolError:
-            return False
+        except (h2.exceptions.ProtocolError, UpstreamProtocolError):
+            return False  # the handler path tries again, and answers the error if it stands
         self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
         return True
 
@@ -600,7 +609,7 @@ class _H2Pool:
             if conn is None:
                 raise UpstreamTimeout(f"no stream slot at {self.address} within {timeout}s")
             st = replay.resume(conn)
-        except (UpstreamConnectError, UpstreamTimeout, h2.exceptions.ProtocolError) as exc:
+        except (UpstreamConnectError, UpstreamTimeout, UpstreamProtocolError, h2.exceptions.ProtocolError) as exc:
             if not replay.splice.closed:
                 replay.give_up(exc)
             return
@@ -701,7 +710,11 @@ class _H2Pool:
             upload.finished = st.local_ended = True
             if st.remote_ended:
                 conn.finish_stream(st)
-        if upload.scope.cancelled_caught and not body.ended:
+        if upload.scope.cancelled_caught and not body.ended and not upload.st.remote_ended:
+            # (An upstream that ended its response and then refused the rest of
+            # the request, RST_STREAM(NO_ERROR) as RFC 9113 8.1 allows, did not
+            # break the exchange: the body's owner refuses it once the response
+            # is out, and abandoning it here would reset that response.)
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 await body.aclose()
 

@@ -13,6 +13,8 @@ All of it is sans-IO: no trio anywhere in this package, no clock of its own
 
 - ``_table``: :class:`Replica`, :class:`Routes`, :class:`RouteTable`;
 - ``_layout``: the store's keys and JSON values, and their helpers;
+- ``_settings``: the per-app settings record (:class:`AppSettings`,
+  :class:`MirrorSetting`);
 - ``_cache``: :class:`RouteCache` and :class:`RouteEvent`;
 - ``_policies`` and ``_rendezvous``: the built-in policies and the hashing
   behind :class:`AffinityHash`;
@@ -30,6 +32,13 @@ from blocks.routing._layout import (
 )
 from blocks.routing._outliers import OutlierConfig, OutlierDetector, OutlierStatistics
 from blocks.routing._policies import AffinityHash, LeastInFlight, Policy, PowerOfTwo, RoundRobin
+from blocks.routing._settings import (
+    AppSettings,
+    MirrorSetting,
+    decode_settings,
+    encode_settings,
+    route_key_for_settings,
+)
 from blocks.routing._table import Address, Replica, Routes, RouteTable
 
 __all__ = [
@@ -48,6 +57,12 @@ __all__ = [
     "encode_replica",
     "route_key_for_domain",
     "route_key_for_replica",
+    # per-app settings
+    "AppSettings",
+    "MirrorSetting",
+    "decode_settings",
+    "encode_settings",
+    "route_key_for_settings",
     # policies
     "AffinityHash",
     "LeastInFlight",

@@ -44,6 +44,7 @@ from typing import Literal
 import attrs
 
 from blocks.routing._layout import decode_domain, decode_replica, parse_key
+from blocks.routing._settings import AppSettings, decode_settings, parse_settings_key
 from blocks.routing._table import Replica, app_for
 
 _by_name = attrgetter("name")
@@ -72,7 +73,8 @@ class RouteCacheStatistics:
     seconds since the source last confirmed the cache current (0 while in
     sync, ``inf`` before the first load); ``bad_values``: reason -> keys
     ignored for it, since the cache was made; ``ignored_events``: events
-    skipped as already seen; ``rebuilds``: app tuples rebuilt.
+    skipped as already seen; ``rebuilds``: app tuples rebuilt; ``settings``:
+    apps with a settings record.
     """
 
     revision: int
@@ -84,6 +86,7 @@ class RouteCacheStatistics:
     bad_values: dict[str, int]
     ignored_events: int
     rebuilds: int
+    settings: int = 0
 
 
 class RouteCache:
@@ -112,6 +115,7 @@ class RouteCache:
         self._domains: dict[bytes, str] = {}
         self._apps: dict[str, dict[str, Replica]] = {}  # app -> name -> replica, any state
         self._live: dict[str, tuple[Replica, ...]] = {}  # app -> its live replicas by name; never empty
+        self._settings: dict[str, AppSettings] = {}  # app -> its settings record
         self._confirmed = -math.inf  # when the source last confirmed the cache current
         self._in_sync = False
         self._now = -math.inf
@@ -139,14 +143,28 @@ class RouteCache:
         """Every app with live replicas, and them (a read-only view)."""
         return types.MappingProxyType(self._live)
 
+    def settings(self, app: str) -> AppSettings | None:
+        """``app``'s settings record (``apps/<app>/settings``), or None."""
+        return self._settings.get(app)
+
+    def replica(self, app: str, name: str) -> Replica | None:
+        """``app``'s replica ``name`` whatever its state (a session's pinned replica), or None."""
+        entries = self._apps.get(app)
+        return entries.get(name) if entries is not None else None
+
     # -- feeding it -------------------------------------------------------------------------
 
     def load(self, snapshot: Mapping[str, bytes], revision: int, now: float) -> None:
         """Replace everything with ``snapshot``, the store's contents at ``revision``."""
         domains: dict[bytes, str] = {}
         apps: dict[str, dict[str, Replica]] = {}
-        for key, value in snapshot.items():
-            self._put(domains, apps, key, value)
+        settings, self._settings = self._settings, {}
+        try:
+            for key, value in snapshot.items():
+                self._put(domains, apps, key, value)
+        except BaseException:
+            self._settings = settings
+            raise
         old_apps = self._apps
         self._domains, self._apps = domains, apps
         self.revision = revision
@@ -207,6 +225,7 @@ class RouteCache:
             bad_values=dict(self._bad),
             ignored_events=self._ignored,
             rebuilds=self._rebuilds,
+            settings=len(self._settings),
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -218,6 +237,17 @@ class RouteCache:
         self, domains: dict[bytes, str], apps: dict[str, dict[str, Replica]], key: str, value: bytes | None
     ) -> str | None:
         """Store ``key``'s value (or, if it is bad, drop its route); the app whose replicas changed, if any."""
+        owner = parse_settings_key(key)
+        if owner is not None:
+            # Settings never change the replica tuples: nothing to rebuild.
+            try:
+                if value is None:
+                    raise ValueError("no value")
+                self._settings[owner] = decode_settings(value)
+            except ValueError as exc:
+                self._bad_value(str(exc))
+                self._settings.pop(owner, None)
+            return None
         try:
             app, name = parse_key(key)
         except ValueError as exc:
@@ -240,6 +270,10 @@ class RouteCache:
         return app
 
     def _delete(self, domains: dict[bytes, str], apps: dict[str, dict[str, Replica]], key: str) -> str | None:
+        owner = parse_settings_key(key)
+        if owner is not None:
+            self._settings.pop(owner, None)
+            return None
         try:
             app, name = parse_key(key)
         except ValueError:

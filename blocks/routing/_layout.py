@@ -7,6 +7,7 @@ JSON values, and a :class:`~blocks.routing.RouteCache` reads exactly this::
     apps/<app>/replicas/<name>     {"worker": "host:port", "address": "host:port",
                                     "protocol": "h2" | "h1", "capacity": <int, 0 = unknown>,
                                     "state": "live" | "draining" | "down"}
+    apps/<app>/settings            {"mirror": {...}, ...}: one field per feature (see ``_settings``)
 
 ``<domain>`` is lowercase: a host, a host with port, or ``*``. Neither an app
 nor a replica name may contain ``/``. In a replica, ``worker`` and

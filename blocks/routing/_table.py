@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
+
+if TYPE_CHECKING:
+    from blocks.routing._settings import AppSettings
 
 Address = tuple[str, int]
 """A ``(host, port)`` to connect to."""
@@ -52,6 +55,18 @@ class Routes(Protocol):
         """Every app and its replicas to choose from: for background work (a prober), never per request."""
         ...
 
+    def settings(self, app: str) -> AppSettings | None:
+        """The app's settings record (``apps/<app>/settings``), or None: a dict read.
+
+        Read only by features that are switched on (the mirror tee), so a
+        ``Routes`` of your own needs it only for those.
+        """
+        ...
+
+    def replica(self, app: str, name: str) -> Replica | None:
+        """``app``'s replica ``name`` in any state (a session's pinned replica), or None."""
+        ...
+
 
 def app_for(domains: Mapping[bytes, str], authority: bytes) -> str | None:
     """The app for ``authority`` in ``domains``: exact, then the host without its port, then ``*``."""
@@ -78,18 +93,27 @@ class RouteTable:
     ``domains`` maps a host (``example.com``), a host with port, or ``*``
     (everything else) to an app name. Lookups try the authority as sent,
     then its host without port, then ``*``. The replica lists are offered to
-    the policy as they are: a table does not look at ``Replica.state``. For
-    routes that change at run time, see :class:`RouteCache`.
+    the policy as they are: a table does not look at ``Replica.state``.
+    ``app_settings`` maps an app to its :class:`~blocks.routing.AppSettings`
+    (what it mirrors, ...). For routes that change at run time, see
+    :class:`RouteCache`.
     """
 
     domains: dict[bytes, str] = attrs.field(factory=dict)
     apps: dict[str, list[Replica]] = attrs.field(factory=dict)
+    app_settings: dict[str, AppSettings] = attrs.field(factory=dict)
 
     @classmethod
-    def build(cls, domains: Mapping[str, str], apps: Mapping[str, Sequence[Replica]]) -> RouteTable:
+    def build(
+        cls,
+        domains: Mapping[str, str],
+        apps: Mapping[str, Sequence[Replica]],
+        settings: Mapping[str, AppSettings] | None = None,
+    ) -> RouteTable:
         return cls(
             {domain.lower().encode(): app for domain, app in domains.items()},
             {app: list(replicas) for app, replicas in apps.items()},
+            dict(settings or {}),
         )
 
     def app_for(self, authority: bytes) -> str | None:
@@ -100,3 +124,12 @@ class RouteTable:
 
     def app_replicas(self) -> Mapping[str, Sequence[Replica]]:
         return self.apps
+
+    def settings(self, app: str) -> AppSettings | None:
+        return self.app_settings.get(app)
+
+    def replica(self, app: str, name: str) -> Replica | None:
+        for replica in self.apps.get(app, ()):
+            if replica.name == name:
+                return replica
+        return None

@@ -14,12 +14,17 @@ A route file is the whole routing state of one embedded store::
     capacity = 0                     # optional: 0 (default) means unknown
     state = "live"                   # optional: "live" (default)
 
+    [apps.chat.settings.mirror]      # optional: the app's settings record (here: mirror 10 %)
+    to = "chat-candidate"
+    fraction = 0.1
+
 The same in JSON: ``{"domains": {"chat.example": "chat"}, "apps": {"chat":
 {"replicas": {"r1": {"worker": ..., "address": ...}}}}}``. The format is
 chosen by the file's suffix: ``.json`` is JSON, anything else TOML.
 
-Each domain becomes the key ``domains/<domain>`` and each replica
-``apps/<app>/replicas/<name>``, with the values :mod:`blocks.routing`
+Each domain becomes the key ``domains/<domain>``, each replica
+``apps/<app>/replicas/<name>`` and an app's ``settings`` table
+``apps/<app>/settings``, with the values :mod:`blocks.routing`
 encodes, so a file and an etcd prefix hold the same keys. Anything the
 format does not know (a misspelt field, a port that is not a number) is a
 :class:`RouteFileError` naming the file and the place, and nothing is loaded.
@@ -39,6 +44,7 @@ from typing import Any
 
 from blocks.routing import encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
 from blocks.routing._layout import decode_domain, decode_replica, format_address, parse_address, parse_key
+from blocks.routing._settings import decode_settings, parse_settings_key, route_key_for_settings
 
 REPLICA_FIELDS = ("worker", "address", "protocol", "capacity", "state")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -78,9 +84,19 @@ def routes_from_document(document: Mapping[str, Any], *, where: str = "routes") 
         _name(app, where=f"{where}: [apps]", what="an app name")
         app_where = f"{where}: [apps.{app}]"
         app_table = _table(table, where=app_where)
-        unknown = sorted(set(app_table) - {"replicas"})
+        unknown = sorted(set(app_table) - {"replicas", "settings"})
         if unknown:
-            raise RouteFileError(f"{app_where}: unknown field(s) {unknown}; expected 'replicas'")
+            raise RouteFileError(f"{app_where}: unknown field(s) {unknown}; expected 'replicas' or 'settings'")
+        if "settings" in app_table:
+            settings_where = f"{where}: [apps.{app}.settings]"
+            value = json.dumps(
+                _table(app_table["settings"], where=settings_where), separators=(",", ":"), sort_keys=True
+            ).encode()
+            try:
+                decode_settings(value)
+            except ValueError as exc:
+                raise RouteFileError(f"{settings_where}: {exc}") from exc
+            routes[route_key_for_settings(app)] = value
         replicas_where = f"{where}: [apps.{app}.replicas]"
         for name, fields in _table(app_table.get("replicas", {}), where=replicas_where).items():
             _name(name, where=replicas_where, what="a replica name")
@@ -154,8 +170,16 @@ def document_from_routes(routes: Mapping[str, bytes]) -> dict[str, Any]:
     store may hold keys of other tools under the same prefix).
     """
     domains: dict[str, str] = {}
-    apps: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    apps: dict[str, dict[str, dict[str, Any]]] = {}
     for key, value in sorted(routes.items()):
+        owner = parse_settings_key(key)
+        if owner is not None:
+            try:
+                decode_settings(value)
+            except ValueError as exc:
+                raise RouteFileError(f"{key}: {exc}: {value[:80]!r}") from exc
+            apps.setdefault(owner, {"replicas": {}})["settings"] = json.loads(value)
+            continue
         try:
             app, name = parse_key(key)
         except ValueError:
@@ -191,8 +215,14 @@ def _toml_string(text: str) -> str:
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if value is None:
+        raise RouteFileError("null (a prefix at the app's fraction) cannot be written in TOML: use JSON")
     return _toml_string(str(value))
 
 
@@ -204,6 +234,9 @@ def dump_toml(document: Mapping[str, Any]) -> str:
         for name, fields in table.get("replicas", {}).items():
             lines += ["", f"[apps.{_toml_key(app)}.replicas.{_toml_key(name)}]"]
             lines += [f"{field} = {_toml_value(value)}" for field, value in fields.items()]
+        if "settings" in table:
+            lines += ["", f"[apps.{_toml_key(app)}.settings]"]
+            lines += [f"{_toml_key(field)} = {_toml_value(value)}" for field, value in table["settings"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -80,7 +80,7 @@ class ProxyAuth:
         if not self.required(app):
             return None, headers
         self._required += 1
-        token, stripped = self._take(headers)
+        token, stripped = take_token(headers, self.header, self.cookie, bearer=self._bearer)
         if token is None:
             self._missing += 1
             raise Unauthorized(f"no proxy-auth token for app {app!r}")
@@ -92,38 +92,56 @@ class ProxyAuth:
         self._allowed += 1
         return claims, (headers if self.forward_token else stripped)
 
-    def _from_header(self, value: bytes) -> bytes | None:
-        if not self._bearer:
-            return value.strip() or None
-        scheme, _, rest = value.strip().partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None  # another scheme: not ours, left for the app
-        return rest.strip() or None
+    def strip(self, app: str, headers: Headers) -> Headers:
+        """``headers`` without this auth's token carriers when ``app`` requires auth (and tokens are not forwarded).
 
-    def _take(self, headers: Headers) -> tuple[bytes | None, Headers]:
-        """The first token found (header first, then cookie) and ``headers`` without any token carrier."""
-        header, cookie = self.header, self.cookie
-        from_header: bytes | None = None
-        from_cookie: bytes | None = None
-        kept: Headers = []
-        for field in headers:
-            name = field[0]
-            if name == header:
-                token = self._from_header(field[1])
-                if token is not None:
-                    if from_header is None:
-                        from_header = token
-                    continue
-            elif cookie is not None and name == b"cookie":
-                value, rest = _take_cookie(field[1], cookie)
-                if value is not None:
-                    if from_cookie is None:
-                        from_cookie = value
-                    if rest:
-                        kept.append((name, rest))
-                    continue
-            kept.append(field)
-        return (from_header if from_header is not None else from_cookie), kept
+        For a request let in by other means (a session token) that also
+        carries a proxy-auth token: the replica never sees one either way.
+        """
+        if self.forward_token or not self.required(app):
+            return headers
+        return take_token(headers, self.header, self.cookie, bearer=self._bearer)[1]
+
+
+def take_token(
+    headers: Headers, header: bytes, cookie: bytes | None = None, *, bearer: bool = False
+) -> tuple[bytes | None, Headers]:
+    """The first token in ``headers`` (field ``header`` first, then ``cookie``) and the fields without any carrier.
+
+    With ``bearer``, the field's value is ``Bearer <token>``; a field of
+    another scheme is not a carrier and is kept. Every carrier of a token is
+    removed, not just the first, so none reaches the upstream.
+    """
+    from_header: bytes | None = None
+    from_cookie: bytes | None = None
+    kept: Headers = []
+    for field in headers:
+        name = field[0]
+        if name == header:
+            token = _from_header(field[1], bearer)
+            if token is not None:
+                if from_header is None:
+                    from_header = token
+                continue
+        elif cookie is not None and name == b"cookie":
+            value, rest = _take_cookie(field[1], cookie)
+            if value is not None:
+                if from_cookie is None:
+                    from_cookie = value
+                if rest:
+                    kept.append((name, rest))
+                continue
+        kept.append(field)
+    return (from_header if from_header is not None else from_cookie), kept
+
+
+def _from_header(value: bytes, bearer: bool) -> bytes | None:
+    if not bearer:
+        return value.strip() or None
+    scheme, _, rest = value.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None  # another scheme: not ours, left for the app
+    return rest.strip() or None
 
 
 def _take_cookie(value: bytes, name: bytes) -> tuple[bytes | None, bytes]:

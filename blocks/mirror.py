@@ -1,0 +1,527 @@
+"""The mirror tee: copy a sampled share of requests to a shadow, and compare the answers.
+
+:func:`open_mirror` runs a :class:`Mirror` for the life of a proxy
+(``serve_proxy(..., mirror=MirrorConfig())`` does it for you). The proxy asks
+it, once per request and only for apps whose settings record has a
+``mirror`` field (:class:`~blocks.routing.MirrorSetting`), whether to copy
+the request; a copied request gets a tee (:class:`~blocks._tap.Tee`) that
+watches the primary exchange go by, and a shadow task that sends the copy.
+
+Guarantees:
+
+- **The primary never waits for the shadow.** The tee's methods run on the
+  primary's path and never block: the request body is copied into a
+  bounded buffer (``buffer`` bytes per request, ``total_buffer`` for all);
+  a chunk that does not fit abandons that copy (counted), it never holds up
+  the primary. The shadow's response is read by the shadow task, and
+  compared there.
+- **A shadow never takes a primary's resources.** Shadows go through the
+  mirror's own :class:`~blocks.multiplexer.Upstreams` (its own connections,
+  stream slots and flow-control windows), never the proxy's: a shadow that
+  does not read stalls only its own connection to the shadow. At most
+  ``max_in_flight`` shadows run at once; past that a request is not copied
+  (counted as ``skipped``).
+- **Every wait on the shadow is bounded** by ``stall_timeout``: the
+  connection (``connect_timeout`` at most), a stream slot, the response head,
+  and each chunk of its body. Nothing is retried (the pool's resend of a
+  stream the shadow refused unprocessed, ``REFUSED_STREAM``, aside).
+- **The shadow follows the primary.** When the primary's exchange breaks
+  (the client resets, the upstream fails) the shadow is cancelled. Shadow
+  responses are read to the end and discarded, never sent to a client.
+- **Marked.** A shadow request carries ``x-proxyblocks-mirror: 1`` (the
+  ``header``), and its authority's host gets ``host_suffix`` (``-shadow``:
+  ``app.example:8443`` becomes ``app.example-shadow:8443``).
+- **Owned.** Shadows run in the mirror's service-lifetime nursery; leaving
+  :func:`open_mirror` cancels those still running. ``serve_proxy`` leaves it
+  only once its listener has drained, so shadows never delay a drain.
+
+Comparison: for every pair whose two sides completed, the status, the
+setting's ``compare`` header fields, the body length and a ``blake2b``
+hash, and the latency of both (from the routing decision to the end of
+each body) go to :class:`~blocks.tee.ComparisonBook`:
+``statistics().routes`` has the match and mismatch counts per route and the
+latency ratio; ``on_mismatch`` gets at most ``report_limit`` mismatching
+pairs per ``report_interval`` seconds. The decisions and the bookkeeping
+are sans-IO, in :mod:`blocks.tee`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from blocks._sync import one_error
+from blocks.errors import BlocksError, UpstreamTimeout
+from blocks.http import Headers, Request, StreamBody
+from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+from blocks.routing import Address, LeastInFlight, MirrorSetting, Routes
+from blocks.routing._table import host_of
+from blocks.tee import (
+    BodyDigest,
+    ComparisonBook,
+    MirrorPair,
+    Observation,
+    RouteComparison,
+    Sampler,
+    TeeBudget,
+    TeeBuffer,
+    compare,
+    route_name,
+    select_headers,
+)
+
+log = logging.getLogger("blocks.mirror")
+
+_INTERNAL = b"x-proxyblocks-"
+_REPLICA_HEADER = b"x-proxyblocks-replica"  # what the worker reads (see blocks.hops)
+MIRROR_HEADER = b"x-proxyblocks-mirror"
+
+TenantKey = Callable[[Request], str]
+
+
+def _header_name(value: str | bytes) -> bytes:
+    return (value.encode() if isinstance(value, str) else value).lower()
+
+
+@attrs.frozen(kw_only=True)
+class MirrorConfig:
+    """The mirror's knobs (what to mirror is per app, in the route table). Durations in seconds.
+
+    - ``buffer``: request-body bytes held for one shadow that has not taken
+      them yet (1 MiB); ``total_buffer``: for all shadows together (64 MiB).
+    - ``max_in_flight``: shadows running at once; past it, requests are not copied.
+    - ``stall_timeout``: the bound on every wait on a shadow.
+    - ``header``, ``host_suffix``: how shadow requests are marked (``""``: no suffix).
+    - ``sample_bytes``: the first bytes of each body kept in a compared pair.
+    - ``on_mismatch``: called with each reported mismatching
+      :class:`~blocks.tee.MirrorPair`, at most ``report_limit`` per
+      ``report_interval``; it runs in a shadow task, must not block, and its
+      exceptions are logged.
+    - ``max_connections``: the shadow pool's connections per shadow address.
+    - ``seed``: for the random draws of requests without a sampling key.
+    """
+
+    buffer: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(0))
+    total_buffer: int = attrs.field(default=64 * 1024 * 1024, validator=attrs.validators.ge(0))
+    max_in_flight: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    stall_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    header: bytes = attrs.field(default=MIRROR_HEADER, converter=_header_name)
+    host_suffix: str = "-shadow"
+    sample_bytes: int = attrs.field(default=256, validator=attrs.validators.ge(0))
+    report_limit: int = attrs.field(default=10, validator=attrs.validators.ge(0))
+    report_interval: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    on_mismatch: Callable[[MirrorPair], None] | None = attrs.field(default=None, eq=False)
+    max_connections: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    seed: int | None = None
+
+    def upstream(self) -> UpstreamConfig:
+        """The shadow pool's settings: every wait bounded by ``stall_timeout``."""
+        return UpstreamConfig(
+            connect_timeout=min(5.0, self.stall_timeout),
+            response_timeout=self.stall_timeout,
+            max_connections=self.max_connections,
+            timeout_resolution=min(0.05, self.stall_timeout / 4),
+        )
+
+
+@attrs.frozen
+class MirrorStatistics:
+    """A snapshot of a :class:`Mirror`.
+
+    ``sampled``: requests copied (a shadow started). Each ends in exactly one
+    of: ``compared`` (``matches`` + ``mismatches``), ``abandoned`` (its
+    buffer was full), ``aborted`` (the primary broke first), ``failed`` (the
+    shadow refused, reset or broke), ``timed_out`` (a wait on it passed
+    ``stall_timeout``), ``cancelled`` (the mirror closed). ``skipped``: not
+    copied, ``max_in_flight`` shadows running; ``no_route``: not copied, the
+    shadow app has no replica. ``in_flight`` and ``buffered`` (bytes) are
+    now. ``reported``/``unreported``: mismatches given to ``on_mismatch`` or
+    not (over its budget). ``routes``: per route, see
+    :class:`~blocks.tee.RouteComparison`.
+    """
+
+    in_flight: int
+    buffered: int
+    sampled: int
+    compared: int
+    matches: int
+    mismatches: int
+    abandoned: int
+    aborted: int
+    failed: int
+    timed_out: int
+    cancelled: int
+    skipped: int
+    no_route: int
+    reported: int
+    unreported: int
+    routes: dict[str, RouteComparison]
+
+
+def shadow_authority(authority: bytes, suffix: bytes) -> bytes:
+    """``authority`` with ``suffix`` after its host: ``a.example:8443`` -> ``a.example-shadow:8443``."""
+    if not suffix:
+        return authority
+    host = host_of(authority)
+    return host + suffix + authority[len(host) :]
+
+
+class _Shadow:
+    """One copied request: the tee on the primary's path, and the state its shadow task reads.
+
+    The primary side (``request``, ``response``, ``head``, ``abort``,
+    ``closed``) only records and signals: it never blocks or raises.
+    """
+
+    __slots__ = (
+        "app",
+        "body",
+        "buffer",
+        "compare_names",
+        "digest",
+        "done",
+        "headers",
+        "launch",
+        "outcome",
+        "primary",
+        "request_ended",
+        "route",
+        "scope",
+        "sent",
+        "start",
+        "status",
+        "target",
+    )
+
+    def __init__(
+        self, app: str, route: str, start: float, buffer: TeeBuffer, compare_names: tuple[bytes, ...], sample: int
+    ) -> None:
+        self.app = app
+        self.route = route
+        self.start = start
+        self.buffer = buffer
+        self.compare_names = compare_names
+        self.body = StreamBody(on_consumed=buffer.take)
+        self.scope = trio.CancelScope()
+        self.digest = BodyDigest(sample)
+        self.status = 0
+        self.headers: tuple[tuple[bytes, bytes | None], ...] = ()
+        self.primary: Observation | None = None
+        self.request_ended = False
+        self.done = trio.Event()  # the primary completed, or broke
+        self.outcome: str | None = None  # why the shadow was stopped from the primary's side
+        self.target: str | None = None  # the shadow replica, for the in-flight count
+        self.launch: Callable[[], None] | None = None  # starts the shadow task; None once called
+        self.sent = start  # when the shadow task started
+
+    def _launch(self) -> None:
+        launch, self.launch = self.launch, None
+        if launch is not None:
+            launch()
+
+    # -- the primary's side (blocks._tap.Tee) ----------------------------------------------
+
+    def request(self, data: bytes, end: bool, trailers: Headers | None) -> None:
+        if self.request_ended or self.outcome is not None:
+            return
+        if data:
+            self._launch()  # a body: the copy streams with it
+            if not self.buffer.push(len(data)):
+                self._stop("abandoned")
+                return
+            self.body.feed(data)
+        if end:
+            self.request_ended = True
+            self.body.end(trailers)
+
+    def head(self, status: int, headers: Headers) -> None:
+        self.status = status
+        self.headers = select_headers(headers, self.compare_names)
+        # A request without a body is copied once the primary's head is back: the shadow's
+        # work never competes with the primary's on its way there.
+        self._launch()
+
+    def response(self, data: bytes, end: bool, trailers: Headers | None) -> None:
+        if self.primary is not None:
+            return
+        if data:
+            self.digest.update(data)
+        if end:
+            digest = self.digest
+            self.primary = Observation(
+                self.status,
+                self.headers,
+                digest.length,
+                digest.hexdigest(),
+                trio.current_time() - self.start,
+                digest.sample,
+            )
+            self.done.set()
+
+    def abort(self) -> None:
+        self._stop("aborted")
+
+    def closed(self) -> None:
+        if self.primary is None or not self.request_ended:
+            self._stop("aborted")  # the primary broke (or was cut short): the copy goes with it
+        self.done.set()
+
+    def _stop(self, outcome: str) -> None:
+        if self.outcome is None and not self.scope.cancelled_caught:
+            self.outcome = outcome
+            self.scope.cancel()
+            self.buffer.close()
+            self.done.set()
+            if self.launch is not None:
+                self._launch()  # never sent: its task starts cancelled, and counts the outcome
+
+
+@attrs.define(eq=False)
+class Mirror:
+    """Copies sampled requests to shadows and compares the answers. Use :func:`open_mirror`.
+
+    The proxy calls :meth:`tee` once per request it routes; everything else
+    happens in the mirror's own tasks.
+    """
+
+    config: MirrorConfig
+    upstreams: Upstreams
+    _nursery: trio.Nursery
+    _sampler: Sampler = attrs.field(init=False)
+    _budget: TeeBudget = attrs.field(init=False)
+    _book: ComparisonBook = attrs.field(init=False)
+    _policy: LeastInFlight = attrs.field(init=False)
+    _suffix: bytes = attrs.field(init=False)
+    _marker: tuple[bytes, bytes] = attrs.field(init=False)
+    in_flight: dict[str, int] = attrs.field(factory=dict, init=False)
+    """Shadows in flight per shadow replica (or ``host:port`` for an address)."""
+    closing: bool = attrs.field(default=False, init=False)
+    _running: int = attrs.field(default=0, init=False)
+    _counts: dict[str, int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        config = self.config
+        rng = random.Random(config.seed)
+        self._sampler = Sampler(rng)
+        self._budget = TeeBudget(config.total_buffer)
+        self._book = ComparisonBook(report_limit=config.report_limit, report_interval=config.report_interval)
+        self._policy = LeastInFlight(rng)
+        self._suffix = config.host_suffix.encode()
+        self._marker = (config.header, b"1")
+        self._counts = dict.fromkeys(
+            (
+                "sampled",
+                "matches",
+                "mismatches",
+                "abandoned",
+                "aborted",
+                "failed",
+                "timed_out",
+                "cancelled",
+                "skipped",
+                "no_route",
+            ),
+            0,
+        )
+
+    def statistics(self) -> MirrorStatistics:
+        counts = self._counts
+        return MirrorStatistics(
+            in_flight=self._running,
+            buffered=self._budget.used,
+            compared=counts["matches"] + counts["mismatches"],
+            reported=self._book.reported,
+            unreported=self._book.unreported,
+            routes=self._book.routes(),
+            **counts,
+        )
+
+    # -- the request path ---------------------------------------------------------------------
+
+    def tee(
+        self, routes: Routes, app: str, request: Request, headers: Headers, tenant_key: TenantKey
+    ) -> _Shadow | None:
+        """Whether to copy ``request`` (routed to ``app``); if so, its tee (the shadow starts with it).
+
+        ``headers`` are the fields the primary goes upstream with; the
+        ``x-proxyblocks-*`` ones among them (the replica the proxy picked)
+        are not copied. Costs a dict read when ``app`` mirrors nothing.
+        Never raises: a bug here is logged, and the request is not copied.
+        """
+        settings = routes.settings(app)
+        if settings is None:
+            return None
+        try:
+            return self._tee(routes, app, settings.mirror, request, headers, tenant_key)
+        except Exception:
+            log.exception("mirror: not copying %r %r", request.method, request.path)
+            return None
+
+    def _tee(
+        self,
+        routes: Routes,
+        app: str,
+        setting: MirrorSetting | None,
+        request: Request,
+        headers: Headers,
+        tenant_key: TenantKey,
+    ) -> _Shadow | None:
+        if setting is None or self.closing or request.method == b"CONNECT":
+            return None  # a tunnel (WebSocket) is never copied
+        tenant = tenant_key(request) if setting.tenants else None
+        key = request.header(setting.key) if setting.key is not None else None
+        route = self._sampler.decide(setting, request.path, tenant, key)
+        if route is None:
+            return None
+        counts = self._counts
+        if self._running >= self.config.max_in_flight:
+            counts["skipped"] += 1
+            return None
+        shadow_headers = [field for field in headers if not field[0].startswith(_INTERNAL)]
+        shadow_headers.append(self._marker)
+        if setting.to is not None:
+            candidates = routes.replicas(setting.to)
+            if not candidates:
+                counts["no_route"] += 1
+                return None
+            replica = self._policy.pick(request, candidates, self.in_flight)
+            address: Address = replica.worker
+            target = replica.name
+            shadow_headers.append((_REPLICA_HEADER, target.encode()))
+        else:
+            assert setting.address is not None
+            address = setting.address
+            target = f"{address[0]}:{address[1]}"
+        counts["sampled"] += 1
+        shadow = _Shadow(
+            app,
+            route_name(app, route),
+            trio.current_time(),
+            TeeBuffer(self._budget, self.config.buffer),
+            setting.compare,
+            self.config.sample_bytes,
+        )
+        shadow.target = target
+        self.in_flight[target] = self.in_flight.get(target, 0) + 1
+        self._running += 1
+        copy = Request(
+            request.method,
+            request.scheme,
+            shadow_authority(request.authority, self._suffix),
+            request.path,
+            body=shadow.body,
+            client=request.client,
+        )
+        shadow.launch = functools.partial(self._start, shadow, address, copy, shadow_headers)
+        # The task starts with the request's first body byte, or (no body) once the primary's
+        # head is back; either way after the reader's batch: the primary's frames go out first.
+        return shadow
+
+    def _start(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> None:
+        try:
+            self._nursery.start_soon(self._run, shadow, address, copy, headers)
+        except RuntimeError:  # the mirror has closed (a late primary of a proxy shutting down)
+            shadow.buffer.close()
+            self._finished(shadow, "cancelled")
+
+    def _finished(self, shadow: _Shadow, outcome: str) -> None:
+        self._counts[outcome] += 1
+        self._running -= 1
+        target = shadow.target
+        if target is not None:
+            left = self.in_flight[target] - 1
+            if left:
+                self.in_flight[target] = left
+            else:
+                del self.in_flight[target]
+
+    # -- the shadow task ----------------------------------------------------------------------
+
+    async def _run(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> None:
+        outcome = "cancelled"
+        shadow.sent = trio.current_time()
+        try:
+            with shadow.scope:
+                outcome = await self._exchange(shadow, address, copy, headers)
+            if shadow.scope.cancelled_caught:
+                outcome = shadow.outcome or "cancelled"
+        finally:
+            shadow.buffer.close()
+            self._finished(shadow, outcome)
+
+    async def _exchange(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> str:
+        stall = self.config.stall_timeout
+        try:
+            response = await self.upstreams.request(address, copy, headers)
+        except UpstreamTimeout:
+            return "timed_out"
+        except BlocksError:
+            return "failed"  # refused, reset, broken: no retry
+        body = response.body
+        digest = BodyDigest(self.config.sample_bytes)
+        try:
+            while True:
+                chunk = b""
+                with trio.move_on_after(stall) as waited:
+                    chunk = await body.receive()
+                if waited.cancelled_caught:
+                    return "timed_out"
+                if not chunk:
+                    break
+                digest.update(chunk)
+        except BlocksError:
+            return "failed"
+        finally:
+            if not body.ended:
+                with trio.CancelScope(shield=True):
+                    await body.aclose()  # resets the shadow stream
+        observed = Observation(
+            response.status,
+            select_headers(response.headers, shadow.compare_names),
+            digest.length,
+            digest.hexdigest(),
+            trio.current_time() - shadow.sent,
+            digest.sample,
+        )
+        await shadow.done.wait()  # the primary's end: bounded by the primary's own life, never ours
+        primary = shadow.primary
+        if primary is None or shadow.outcome is not None:
+            return shadow.outcome or "aborted"
+        return self._compare(shadow, copy, primary, observed)
+
+    def _compare(self, shadow: _Shadow, copy: Request, primary: Observation, observed: Observation) -> str:
+        differences = compare(primary, observed)
+        pair = MirrorPair(shadow.app, shadow.route, copy.method, copy.path, primary, observed, differences)
+        report = self._book.record(pair, trio.current_time())
+        callback = self.config.on_mismatch
+        if report and callback is not None:
+            try:
+                callback(pair)
+            except Exception:
+                log.exception("on_mismatch callback failed")
+        return "matches" if pair.matched else "mismatches"
+
+
+@asynccontextmanager
+async def open_mirror(config: MirrorConfig | None = None) -> AsyncIterator[Mirror]:
+    """A running :class:`Mirror` for the ``async with`` block, with its own shadow pool and nursery.
+
+    Leaving the block cancels the shadows still running (they are counted
+    as ``cancelled``) and closes the shadow connections; errors from the
+    body come out as they are, not wrapped.
+    """
+    config = config or MirrorConfig()
+    with one_error():
+        async with open_upstreams(config.upstream()) as upstreams, trio.open_nursery() as nursery:
+            mirror = Mirror(config, upstreams, nursery)
+            try:
+                yield mirror
+            finally:
+                mirror.closing = True
+                nursery.cancel_scope.cancel()
