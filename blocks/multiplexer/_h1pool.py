@@ -50,21 +50,29 @@ class _H1Connection(H1Stream):
 
 
 class H1ResponseBody(H1Body):
-    """A response body read from a pooled h1 connection, which it returns when done."""
+    """A response body read from a pooled h1 connection, which it returns when done.
 
-    __slots__ = ("_conn", "_pool")
+    With ``reuse=False`` (the body of a refused upgrade) the connection is
+    closed when the body is over instead.
+    """
+
+    __slots__ = ("_conn", "_pool", "_reuse")
 
     peer = "upstream"
 
-    def __init__(self, conn: _H1Connection, pool: _H1Pool, length: int | None) -> None:
+    def __init__(self, conn: _H1Connection, pool: _H1Pool, length: int | None, *, reuse: bool = True) -> None:
         super().__init__(conn, length)
         self._conn = conn
         self._pool = pool
+        self._reuse = reuse
 
     def finished(self, complete: bool) -> None:
         if not self._done:
             super().finished(complete)
-            self._pool.release(self._conn, complete)
+            if self._reuse:
+                self._pool.release(self._conn, complete)
+            else:
+                self._pool._drop(self._conn)
 
 
 class _H1Pool:
@@ -171,7 +179,7 @@ class _H1Pool:
             # A refusal: relayed as it is, its body read from this connection, which then closes.
             answer = [(n, v) for n, v in event.headers if n not in HOP_BY_HOP]
             length = next((int(v) for n, v in answer if n == b"content-length"), None)
-            return Response(event.status_code, answer, _RefusalBody(conn, self, length))
+            return Response(event.status_code, answer, H1ResponseBody(conn, self, length, reuse=False))
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
             self._drop(conn)
             raise UpstreamProtocolError(f"a broken answer to a WebSocket upgrade from {self.address}: {exc}") from exc
@@ -261,24 +269,6 @@ class _H1Pool:
 
 class _StaleConnection(Exception):
     pass
-
-
-class _RefusalBody(H1Body):
-    """The body of a refused upgrade; the connection closes when it is over."""
-
-    __slots__ = ("_conn", "_pool")
-
-    peer = "upstream"
-
-    def __init__(self, conn: _H1Connection, pool: _H1Pool, length: int | None) -> None:
-        super().__init__(conn, length)
-        self._conn = conn
-        self._pool = pool
-
-    def finished(self, complete: bool) -> None:
-        if not self._done:
-            super().finished(complete)
-            self._pool._drop(self._conn)
 
 
 class _H1Tunnel:
