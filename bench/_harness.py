@@ -101,9 +101,13 @@ class Processes:
         wait_for_port(proc, port)
         return proc
 
+    def spawn(self, name: str, argv: list[str]) -> Process:
+        """A one-shot helper running beside this script; read its stdout with ``proc.popen.communicate()``."""
+        return self._spawn(name, argv, stdout=subprocess.PIPE)
+
     def run(self, name: str, argv: list[str], timeout: float) -> tuple[int | None, str, Process]:
         """A one-shot helper: (exit code, or None if it had to be killed; its stdout; the process)."""
-        proc = self._spawn(name, argv, stdout=subprocess.PIPE)
+        proc = self.spawn(name, argv)
         try:
             out, _ = proc.popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -15,10 +15,12 @@ Three measurements, in one run:
    both tenant counts (the verdict takes the worst).
 
 2. Tenant B's latency, over the chain edge -> proxy -> worker -> demo replica
-   (one OS process per hop, h2c on 127.0.0.1). The load generator (the
-   library's own h2 client, as in ``recipes/noisy_neighbour.py``) runs in
-   a process of its own. Tenant B (``x-tenant: quiet``) sends ``--rate``
-   requests per second to ``/sleep?ms=20`` for ``--seconds``:
+   (one OS process per hop, h2c on 127.0.0.1). Each tenant is a client
+   process of its own, with its own connection, as two tenants are (the
+   library's own h2 client, as in ``recipes/noisy_neighbour.py``): sharing
+   one would measure a client busy with A's answers, not the chain. Tenant
+   B (``x-tenant: quiet``) sends ``--rate`` requests per second to
+   ``/sleep?ms=20`` for ``--seconds``:
 
        (a) alone,                               proxy with the scheduler on
        (b) while tenant A keeps --flood requests in flight, scheduler on
@@ -52,9 +54,9 @@ Run it from the repository root (needs h2load: apt-get install nghttp2-client):
     python bench/fairness.py --seconds 30 --flood 256 --rate 20
 
 ``python bench/fairness.py --serve ROLE PORT [UPSTREAM_PORT...] [--scheduler small|fair|off]``
-is the helper mode that runs one hop per process, and ``--serve load
-EDGE_PORT --seconds S --flood N --rate R`` the load generator (one JSON
-line on stdout).
+is the helper mode that runs one hop per process; ``--serve load EDGE_PORT
+--seconds S --flood N`` is tenant A's client and ``--serve load EDGE_PORT
+--seconds S --rate R --settle W`` tenant B's (each prints one JSON line).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +88,8 @@ TENANT_COUNTS = (10, 10_000)
 TENANT_HEADER = ["-H", "x-tenant: a"]
 WARMUP = ["-n", "500", "-c", "8", "-m", "32", *TENANT_HEADER]
 FLOOD_SETTLE = 1.0  # seconds A floods before B starts, so B meets a flood in full swing
+STARTUP = 1.5  # seconds a client process may take to start, added to B's wait for A's flood
+FLOOD_TAIL = 3.0  # seconds A floods on after B's last request was sent, while B's last answers come back
 REQUEST_TIMEOUT = 10.0  # a B request with no answer by then counts as NO_ANSWER
 NO_RESPONSE = 0  # status recorded when the client got an error instead of a response
 NO_ANSWER = -1  # status recorded when nothing came back within REQUEST_TIMEOUT
@@ -227,21 +232,44 @@ def serve(role: str, port: int, upstream: list[int], scheduler_name: str) -> Non
     serve_role(role, port, upstream, {"small": SCHEDULER, "fair": FAIR, "off": None}[scheduler_name])
 
 
-def generate_load(edge_port: int, seconds: float, flood_concurrency: int, rate: float) -> dict[str, Any]:
-    """B paced at ``rate``/s for ``seconds`` (A flooding if asked); wait for every B answer; report.
+def generate_flood(edge_port: int, seconds: float, flood_concurrency: int) -> dict[str, Any]:
+    """A's flood (``recipes.noisy_neighbour.flood``) for ``seconds``, from a client process of its own; A's statuses."""
+    _import_project()
+    import trio
 
-    A's flood is ``recipes.noisy_neighbour.flood``; B's requests are that
-    recipe's, plus a timeout and the response's Server-Timing, so that the
-    report can say which hop B's time went to.
+    from blocks import open_upstreams
+    from recipes.noisy_neighbour import PATH, TenantLoad, flood, one_request
+
+    edge = (HOST, edge_port)
+    noisy = TenantLoad("noisy")
+
+    async def run() -> None:
+        async with open_upstreams() as upstreams:
+            await one_request(upstreams, edge, TenantLoad("noisy"), PATH)  # untimed: opens the connections
+            with trio.move_on_after(seconds):
+                await flood(upstreams, edge, noisy, flood_concurrency)
+
+    trio.run(run)
+    return {"noisy": {"statuses": dict(noisy.statuses)}}
+
+
+def generate_quiet(edge_port: int, seconds: float, rate: float, settle: float) -> dict[str, Any]:
+    """After ``settle`` seconds, B paced at ``rate``/s for ``seconds``; wait for every B answer; report.
+
+    B's requests are ``recipes.noisy_neighbour``'s, plus a timeout and the
+    response's Server-Timing, so that the report can say which hop B's time
+    went to. B is a client of its own (its process, its connection), as a
+    second tenant is: what it measures is the chain, not a load generator
+    busy with A's answers.
     """
     _import_project()
     import trio
 
     from blocks import BlocksError, Request, open_upstreams, parse_server_timing
-    from recipes.noisy_neighbour import PATH, TenantLoad, flood, one_request
+    from recipes.noisy_neighbour import PATH, TenantLoad, one_request
 
     edge = (HOST, edge_port)
-    noisy, quiet = TenantLoad("noisy"), TenantLoad("quiet")
+    quiet = TenantLoad("quiet")
     phases: list[dict[str, float]] = []  # one per B 200: Server-Timing entries and the client's own ms
 
     async def run() -> int:
@@ -266,31 +294,21 @@ def generate_load(edge_port: int, seconds: float, flood_concurrency: int, rate: 
                     phases.append({**parse_server_timing(timing), "client": elapsed * 1000})
 
             # Untimed, uncounted: opens the client's connection to the edge and the chain's own.
-            for name in ("noisy", "quiet"):
-                await one_request(upstreams, edge, TenantLoad(name), PATH)
-            async with trio.open_nursery() as nursery:
-                if flood_concurrency:
-                    nursery.start_soon(flood, upstreams, edge, noisy, flood_concurrency)
-                    await trio.sleep(FLOOD_SETTLE)
-                # Unlike recipes.noisy_neighbour.run_load, B's last requests are
-                # waited for (not cancelled), so every one of them gets a status.
-                async with trio.open_nursery() as quiet_nursery:
-                    next_at = trio.current_time()
-                    end = next_at + seconds
-                    while next_at < end:
-                        quiet_nursery.start_soon(quiet_request)
-                        sent += 1
-                        next_at += 1 / rate
-                        await trio.sleep_until(next_at)
-                nursery.cancel_scope.cancel()
+            await one_request(upstreams, edge, TenantLoad("quiet"), PATH)
+            await trio.sleep(settle)
+            # B's last requests are waited for (not cancelled), so every one of them gets a status.
+            async with trio.open_nursery() as quiet_nursery:
+                next_at = trio.current_time()
+                end = next_at + seconds
+                while next_at < end:
+                    quiet_nursery.start_soon(quiet_request)
+                    sent += 1
+                    next_at += 1 / rate
+                    await trio.sleep_until(next_at)
         return sent
 
     sent = trio.run(run)
-    return {
-        "sent": sent,
-        "quiet": {"statuses": dict(quiet.statuses), "latencies": quiet.latencies, "phases": phases},
-        "noisy": {"statuses": dict(noisy.statuses)},
-    }
+    return {"sent": sent, "quiet": {"statuses": dict(quiet.statuses), "latencies": quiet.latencies, "phases": phases}}
 
 
 # -- processes (as in bench/chain.py; each bench script stands alone) --------------------------
@@ -347,30 +365,43 @@ def statuses(counter: collections.Counter[int]) -> str:
     return " ".join(f"{names.get(code, code)}:{n}" for code, n in sorted(counter.items())) or "-"
 
 
-def run_scenario(
-    procs: Processes, label: str, edge_port: int, seconds: float, flood: int, rate: float, only_200: bool
-) -> Scenario:
-    scenario = Scenario(label)
-    argv = [
-        str(Path(__file__).resolve()),
-        "--serve",
-        "load",
-        str(edge_port),
-        f"--seconds={seconds}",
-        f"--flood={flood}",
-        f"--rate={rate}",
-    ]
-    code, out, proc = procs.run(f"load {label}", argv, timeout=seconds + FLOOD_SETTLE + REQUEST_TIMEOUT + 30)
+def _result(code: int | None, out: str, proc: Process) -> dict[str, Any]:
+    """A load generator's JSON line; ValueError (with its last lines) if it has none."""
     try:
         if code != 0:
             raise ValueError(f"exit {'(killed: no result in time)' if code is None else code}")
-        result = json.loads(out.strip().splitlines()[-1])
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
-        scenario.problems.append(f"load generator failed: {exc}; last lines:\n{proc.tail() or '(empty)'}")
+        raise ValueError(f"load generator failed: {exc}; last lines:\n{proc.tail() or '(empty)'}") from None
+    return result
+
+
+def run_scenario(
+    procs: Processes, label: str, edge_port: int, seconds: float, flood: int, rate: float, only_200: bool
+) -> Scenario:
+    """B's latency, alone or beside A's flood: two client processes, A's started first and outlasting B's."""
+    scenario = Scenario(label)
+    load = [str(Path(__file__).resolve()), "--serve", "load", str(edge_port)]
+    settle = FLOOD_SETTLE + STARTUP if flood else 0.0
+    flooding = None
+    if flood:
+        duration = settle + seconds + FLOOD_TAIL
+        flooding = procs.spawn(f"flood {label}", [*load, f"--flood={flood}", f"--seconds={duration}"])
+    quiet = [*load, f"--rate={rate}", f"--seconds={seconds}", f"--settle={settle}"]
+    try:
+        result = _result(*procs.run(f"quiet {label}", quiet, timeout=settle + seconds + REQUEST_TIMEOUT + 30))
+        if flooding is not None:
+            out, _ = flooding.popen.communicate(timeout=FLOOD_TAIL + 30)
+            noisy = _result(flooding.popen.returncode, out.decode(errors="replace"), flooding)
+            scenario.noisy.update({int(code): n for code, n in noisy["noisy"]["statuses"].items()})
+    except (ValueError, subprocess.TimeoutExpired) as exc:
+        scenario.problems.append(str(exc))
         return scenario
+    finally:
+        if flooding is not None:
+            procs.stop([flooding])
     scenario.sent = result["sent"]
     scenario.quiet.update({int(code): n for code, n in result["quiet"]["statuses"].items()})
-    scenario.noisy.update({int(code): n for code, n in result["noisy"]["statuses"].items()})
     latencies = sorted(result["quiet"]["latencies"])
     scenario.p50_ms = percentile(latencies, 0.50) * 1000
     scenario.p99_ms = percentile(latencies, 0.99) * 1000
@@ -556,12 +587,15 @@ def helper_main(argv: list[str]) -> int:
     parser.add_argument("port", type=int, help="the port to listen on; for load, the edge's")
     parser.add_argument("upstream", type=int, nargs="*", help="upstream ports (see serve)")
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="off", help="proxy: small, fair or off")
-    parser.add_argument("--seconds", type=float, default=10.0, help="load: how long B sends")
-    parser.add_argument("--flood", type=int, default=0, help="load: A's requests in flight (0: no A)")
-    parser.add_argument("--rate", type=float, default=10.0, help="load: B's requests per second")
+    parser.add_argument("--seconds", type=float, default=10.0, help="load: how long it sends")
+    parser.add_argument("--flood", type=int, default=0, help="load: be A, with this many requests in flight")
+    parser.add_argument("--rate", type=float, default=10.0, help="load: be B, at this many requests per second")
+    parser.add_argument("--settle", type=float, default=0.0, help="load, B: seconds to wait before sending")
     args = parser.parse_args(argv)
-    if args.role == "load":
-        print(json.dumps(generate_load(args.port, args.seconds, args.flood, args.rate)), flush=True)
+    if args.role == "load" and args.flood:
+        print(json.dumps(generate_flood(args.port, args.seconds, args.flood)), flush=True)
+    elif args.role == "load":
+        print(json.dumps(generate_quiet(args.port, args.seconds, args.rate, args.settle)), flush=True)
     else:
         serve(args.role, args.port, args.upstream, args.scheduler)
     return 0

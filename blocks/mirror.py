@@ -243,9 +243,6 @@ class _Shadow:
     def head(self, status: int, headers: Headers) -> None:
         self.status = status
         self.headers = select_headers(headers, self.compare_names)
-        # A request without a body is copied once the primary's head is back: the shadow's
-        # work never competes with the primary's on its way there.
-        self._launch()
 
     def response(self, data: bytes, end: bool, trailers: Headers | None) -> None:
         if self.primary is not None:
@@ -271,6 +268,9 @@ class _Shadow:
         if self.primary is None or not self.request_ended:
             self._stop("aborted")  # the primary broke (or was cut short): the copy goes with it
         self.done.set()
+        # A request without a body is copied once the primary's exchange is over: the
+        # shadow's work never competes with the primary's, on its way there or back.
+        self._launch()
 
     def _stop(self, outcome: str) -> None:
         if self.outcome is None and not self.scope.cancelled_caught:
@@ -420,7 +420,7 @@ class Mirror:
         )
         shadow.launch = functools.partial(self._start, shadow, address, copy, shadow_headers)
         # The task starts with the request's first body byte, or (no body) once the primary's
-        # head is back; either way after the reader's batch: the primary's frames go out first.
+        # exchange is over; either way after the reader's batch: the primary's frames go out first.
         return shadow
 
     def _start(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> None:
