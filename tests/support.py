@@ -24,6 +24,7 @@ import h2.events
 import hpack
 import hyperframe.frame
 import trio
+import trio_websocket
 
 from blocks import (
     EdgeConfig,
@@ -48,6 +49,7 @@ from blocks import (
     serve_worker,
     text_response,
 )
+from blocks._sync import one_error
 
 HOST = "127.0.0.1"
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -603,3 +605,25 @@ class RecordingCache:
 
     def staleness(self, now: float) -> float:
         return self.cache.staleness(now)
+
+
+@asynccontextmanager
+async def connect_websocket(
+    port: int, path: str = "/chat", **kwargs: Any
+) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """trio-websocket's client, on a TCP stream the test owns and closes.
+
+    (``open_websocket`` leaves its socket open when the server closes first:
+    its ``aclose`` returns early once a close reason is set.) A rejection is
+    raised as ``ConnectionRejected`` itself.
+    """
+    stream = await trio.open_tcp_stream(HOST, port)
+    with one_error():
+        async with stream, trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(nursery, stream, f"{HOST}:{port}", path, **kwargs)
+            try:
+                yield ws
+            finally:
+                with trio.move_on_after(5):
+                    await ws.aclose()
+                nursery.cancel_scope.cancel()

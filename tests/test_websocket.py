@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -25,7 +24,19 @@ import trio
 import trio_websocket
 import wsproto.connection
 import wsproto.events
-from support import HOST, Assembled, RawFrames, RawH2Client, assemble, assemble_local, raw_exchange, record_relays
+from support import (
+    HOST,
+    Assembled,
+    RawFrames,
+    RawH2Client,
+    assemble,
+    assemble_local,
+    raw_exchange,
+    record_relays,
+)
+from support import (
+    connect_websocket as connect,
+)
 
 from blocks import (
     INTERNAL_LISTENER,
@@ -48,7 +59,6 @@ from blocks import (
     websocket_echo,
 )
 from blocks._h2 import BACKLOG_HIGH, H2Driver
-from blocks._sync import one_error
 
 MiB = 1 << 20
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="  # RFC 6455's sample key
@@ -144,26 +154,6 @@ async def wsc(request: pytest.FixtureRequest, nursery: trio.Nursery) -> AsyncIte
         started = await ws_chain(nursery, request.param)
     yield started
     nursery.cancel_scope.cancel()
-
-
-@asynccontextmanager
-async def connect(port: int, path: str = "/chat", **kwargs: Any) -> AsyncIterator[trio_websocket.WebSocketConnection]:
-    """trio-websocket's client, on a TCP stream the test owns and closes.
-
-    (``open_websocket`` leaves its socket open when the server closes first:
-    its ``aclose`` returns early once a close reason is set.) A rejection is
-    raised as ``ConnectionRejected`` itself.
-    """
-    stream = await trio.open_tcp_stream(HOST, port)
-    with one_error():
-        async with stream, trio.open_nursery() as nursery:
-            ws = await trio_websocket.wrap_client_stream(nursery, stream, f"{HOST}:{port}", path, **kwargs)
-            try:
-                yield ws
-            finally:
-                with trio.move_on_after(5):
-                    await ws.aclose()
-                nursery.cancel_scope.cancel()
 
 
 # -- messages, subprotocols, closes --------------------------------------------------------------
