@@ -39,6 +39,7 @@ import trio
 from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
 from blocks._tap import TappedBody, Tee, tap_splice
+from blocks._upgrade import KEY_FIELDS
 from blocks.errors import BlocksError, NoRoute, StreamReset, Unauthorized
 from blocks.fair_queue import Grant, SchedulerConfig
 from blocks.http import HOP_BY_HOP, BytesBody, Headers, Request, Response
@@ -324,8 +325,6 @@ class Edge(Hop):
     """
 
     total = True
-    # blocks._upgrade.KEY_FIELDS: each h1 leg of a tunnel makes its own.
-    _tunnel_only = frozenset({b"sec-websocket-key", b"sec-websocket-accept"})
 
     def __init__(self, config: EdgeConfig, upstreams: Upstreams) -> None:
         super().__init__(config.name, upstreams)
@@ -365,7 +364,7 @@ class Edge(Hop):
                 headers.append((b"x-forwarded-for", client))
         headers.append((b"via", request.http_version.encode() + b" " + self._via))
         if request.protocol is not None:
-            headers = [(name, value) for name, value in headers if name not in self._tunnel_only]
+            headers = [(name, value) for name, value in headers if name not in KEY_FIELDS]  # each h1 leg makes its own
         return headers
 
     def decide(self, request: Request) -> Forward:
