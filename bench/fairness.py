@@ -26,8 +26,9 @@ Three measurements, in one run:
        (b) while tenant A keeps --flood requests in flight, scheduler on
        (c) under the same flood,                proxy without a scheduler
 
-   The scheduler is ``recipes.noisy_neighbour.SCHEDULER`` (budget 32, at
-   most 24 in flight per tenant, 64 queued for 0.5 s). It prints B's p50
+   The scheduler is ``recipes.noisy_neighbour.SCHEDULER`` (budget 8, at
+   most 6 in flight per tenant, 128 queued for 0.5 s: sized to what the
+   chain serves, see docs/scheduler.md). It prints B's p50
    and p99 in each, A's statuses (200/429/503), and the headline, B's p99
    under the flood over its p99 alone (target <= 2), with (c)/(a) beside it
    for comparison. Every B request must get an answer, and in (a) and (b)
