@@ -10,8 +10,9 @@ What it measures, over h2c on 127.0.0.1, every server a separate OS process:
 Each case is its own edge and proxy in front of the same primary worker and
 replica (started once and kept up), so the only difference is the proxy's
 mirror. The rounds visit the cases in turn (a rotated order each round):
-throughput (h2load -n N -c 8 -m 32, req/s) and one-request-at-a-time
-latency (h2load -n M -c 1 -m 1; p50 from --log-file). Figures are medians
+throughput (h2load -n N -c 8 -m 32, req/s) and, once the shadows that
+run left behind are done, one-request-at-a-time latency (h2load -n M -c 1
+-m 1; p50 from --log-file). Figures are medians
 over the rounds, so a burst of outside load on a 2-core machine lands on
 every case alike. The mirroring proxies print their mirror statistics and
 resident memory to their logs every half second; the last figures and the
@@ -44,6 +45,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,7 +153,7 @@ class Result:
     problems: list[str] = field(default_factory=list)
 
 
-def measure(name: str, port: int, n: int, m: int, tmp: Path, *, warm: bool) -> Result:
+def measure(name: str, port: int, n: int, m: int, tmp: Path, proxy: Process, *, warm: bool) -> Result:
     result = Result(name)
     if warm:
         _, problems = h2load(port, WARMUP, timeout=60)
@@ -160,6 +162,7 @@ def measure(name: str, port: int, n: int, m: int, tmp: Path, *, warm: bool) -> R
     result.problems += problems
     if finished := re.search(r"finished in \S+, ([\d.]+) req/s", out):
         result.rps = float(finished.group(1))
+    settle(proxy)
     log_file = tmp / f"c1-{port}.tsv"
     log_file.unlink(missing_ok=True)
     out, problems = h2load(port, ["-n", str(m), "-c", "1", "-m", "1"], timeout=60 + m / 50, log_file=log_file)
@@ -174,6 +177,20 @@ def measure(name: str, port: int, n: int, m: int, tmp: Path, *, warm: bool) -> R
     result.p50_us = percentile(elapsed, 0.50)
     result.p99_us = percentile(elapsed, 0.99)
     return result
+
+
+def settle(proxy: Process, timeout: float = 15.0) -> None:
+    """Wait until ``proxy`` (mirroring) has no shadow in flight: the copies that the
+    throughput run left behind must not land on the latency run that follows."""
+
+    def idle() -> bool:
+        lines = proxy.log.read_text(errors="replace").splitlines()
+        return not lines or " in_flight=" not in lines[-1] or " in_flight=0 " in lines[-1]
+
+    deadline = time.monotonic() + timeout
+    time.sleep(0.6)  # past the proxy's next line (every 0.5 s): a count from after the run
+    while not idle() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _log_figures(proc: Process) -> tuple[str, int]:
@@ -231,7 +248,7 @@ def run_benchmark(n: int, m: int, rounds: int) -> int:
             order = CASES[round_no % len(CASES) :] + CASES[: round_no % len(CASES)]
             print(f"... round {round_no + 1}/{rounds}", flush=True)
             for case in order:
-                sample = measure(case, edges[case], n, m, tmp, warm=round_no == 0)
+                sample = measure(case, edges[case], n, m, tmp, proxies[case], warm=round_no == 0)
                 for proc in procs.all:
                     if (code := proc.popen.poll()) is not None:
                         sample.problems.append(f"{proc.name} exited with {code} during the run:\n{proc.tail()}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import h2.errors
 import h2.exceptions
@@ -49,6 +49,33 @@ HeadFilter = Callable[[int, Headers], Headers]
 
 Tap = Callable[[bytes, bool, "Headers | None"], None]
 """Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks._tap`)."""
+
+
+class Sink(Protocol):
+    """The reader of an upstream stream that no downstream stream waits on (a mirror's shadow).
+
+    The request went up whole with its head, and the connection's reader
+    hands the response to the sink as it would to a splice, in its batch,
+    with no task: ``head``, then ``data`` (``end`` with the last frame) or
+    ``ended`` (trailers, or a bare END_STREAM), or ``failed`` (reset, timed
+    out, connection lost). The sink gives each DATA frame's window back and
+    ends the stream (``finish_stream``, or ``reset``) when it is done with it.
+    """
+
+    head_sent: bool  # the response head came (the stream was processed: never sent again)
+
+    def opened(self, conn: H2Driver, st: H2Stream) -> None:
+        """The request went up on ``st`` of ``conn``."""
+
+    def head(self, status: int, headers: Headers, ended: bool) -> None: ...
+
+    def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None: ...
+
+    def ended(self, st: H2Stream, trailers: Headers | None = None) -> None: ...
+
+    def window(self, st: H2Stream) -> None: ...
+
+    def failed(self, driver: H2Driver, error: BaseException) -> None: ...
 
 
 class _Pipe:

@@ -5,7 +5,9 @@
 it, once per request and only for apps whose settings record has a
 ``mirror`` field (:class:`~blocks.routing.MirrorSetting`), whether to copy
 the request; a copied request gets a tee (:class:`~blocks._tap.Tee`) that
-watches the primary exchange go by, and a shadow task that sends the copy.
+watches the primary exchange go by, and a shadow task that sends the copy
+(none for a copy without a body once the mirror's pool has a free slot:
+the pool's reader reads its answer where it arrives, see :class:`_Sink`).
 
 Guarantees:
 
@@ -56,6 +58,8 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from blocks._h2 import H2Driver, H2Stream
+from blocks._splice import _ack
 from blocks._sync import one_error
 from blocks.errors import BlocksError, UpstreamTimeout
 from blocks.http import Headers, Request, StreamBody
@@ -186,6 +190,7 @@ class _Shadow:
         "compare_names",
         "digest",
         "done",
+        "fed",
         "headers",
         "launch",
         "outcome",
@@ -214,6 +219,7 @@ class _Shadow:
         self.headers: tuple[tuple[bytes, bytes | None], ...] = ()
         self.primary: Observation | None = None
         self.request_ended = False
+        self.fed = False  # a request body byte came
         self.done = trio.Event()  # the primary completed, or broke
         self.outcome: str | None = None  # why the shadow was stopped from the primary's side
         self.target: str | None = None  # the shadow replica, for the in-flight count
@@ -231,6 +237,7 @@ class _Shadow:
         if self.request_ended or self.outcome is not None:
             return
         if data:
+            self.fed = True
             self._launch()  # a body: the copy streams with it
             if not self.buffer.push(len(data)):
                 self._stop("abandoned")
@@ -303,6 +310,7 @@ class Mirror:
     """Shadows in flight per shadow replica (or ``host:port`` for an address)."""
     closing: bool = attrs.field(default=False, init=False)
     _running: int = attrs.field(default=0, init=False)
+    _sinks: dict[_Sink, None] = attrs.field(factory=dict, init=False)
     _counts: dict[str, int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -424,6 +432,17 @@ class Mirror:
         return shadow
 
     def _start(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> None:
+        if shadow.outcome is not None:  # stopped before it went (the primary broke): count it, send nothing
+            shadow.buffer.close()
+            self._finished(shadow, shadow.outcome)
+            return
+        if shadow.primary is not None and not shadow.fed and not copy.body.trailers:
+            # Body-less, and the primary's answer is in: the pool's reader reads the
+            # shadow's answer where it arrives, on a free slot of a connection it has.
+            sink = _Sink(self, shadow, copy)
+            if self.upstreams.sink(address, copy, headers, sink):
+                self._sinks[sink] = None
+                return
         try:
             self._nursery.start_soon(self._run, shadow, address, copy, headers)
         except RuntimeError:  # the mirror has closed (a late primary of a proxy shutting down)
@@ -440,6 +459,24 @@ class Mirror:
                 self.in_flight[target] = left
             else:
                 del self.in_flight[target]
+
+    def _sink_closed(self, sink: _Sink, outcome: str) -> None:
+        del self._sinks[sink]
+        sink.shadow.buffer.close()
+        self._finished(sink.shadow, outcome)
+
+    async def _sweep_sinks(self) -> None:
+        """Bound a sink's wait for its response body by ``stall_timeout`` (the pool bounds the head)."""
+        stall = self.config.stall_timeout
+        while True:
+            await trio.sleep(min(stall / 8, 0.25))
+            now = trio.current_time()
+            for sink in [sink for sink in self._sinks if now - sink.progress >= stall]:
+                sink.stop("timed_out")
+
+    def _stop_sinks(self) -> None:
+        for sink in list(self._sinks):
+            sink.stop("cancelled")
 
     # -- the shadow task ----------------------------------------------------------------------
 
@@ -508,6 +545,106 @@ class Mirror:
         return "matches" if pair.matched else "mismatches"
 
 
+class _Sink:
+    """A body-less shadow, sent once its primary is over and read with no task (a :class:`blocks._splice.Sink`).
+
+    The shadow pool's reader hands it the response as it arrives: the head's
+    compared fields and the body's digest are taken on the spot, the window
+    given back, and the pair compared at the end. ``stop`` ends it early.
+    """
+
+    __slots__ = (
+        "closed",
+        "conn",
+        "copy",
+        "digest",
+        "head_sent",
+        "headers",
+        "mirror",
+        "progress",
+        "shadow",
+        "st",
+        "status",
+    )
+
+    def __init__(self, mirror: Mirror, shadow: _Shadow, copy: Request) -> None:
+        self.mirror = mirror
+        self.shadow = shadow
+        self.copy = copy
+        self.digest = BodyDigest(mirror.config.sample_bytes)
+        self.status = 0
+        self.headers: tuple[tuple[bytes, bytes | None], ...] = ()
+        self.head_sent = False
+        self.closed = False
+        self.conn: H2Driver | None = None
+        self.st: H2Stream | None = None
+        self.progress = shadow.sent = trio.current_time()
+
+    def opened(self, conn: H2Driver, st: H2Stream) -> None:
+        self.conn = conn
+        self.st = st
+
+    def head(self, status: int, headers: Headers, ended: bool) -> None:
+        self.head_sent = True
+        if self.closed:
+            return
+        self.status = status
+        self.headers = select_headers(headers, self.shadow.compare_names)
+        self.progress = trio.current_time()
+        if ended:
+            self._complete()
+
+    def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None:
+        if size:
+            _ack(driver.h2, size, st.id)  # read and dropped: the window goes back with the batch
+        if self.closed:
+            return
+        if data:
+            self.digest.update(data)
+            self.progress = trio.current_time()
+        if end:
+            self._complete()
+
+    def ended(self, st: H2Stream, trailers: Headers | None = None) -> None:
+        if not self.closed:
+            self._complete()
+
+    def window(self, st: H2Stream) -> None:
+        """Nothing to send: the request went whole with its head."""
+
+    def failed(self, driver: H2Driver, error: BaseException) -> None:
+        if not self.closed:
+            self._close("timed_out" if isinstance(error, UpstreamTimeout) else "failed")
+
+    def stop(self, outcome: str) -> None:
+        """End it from our side (stalled, or the mirror closing): reset the stream."""
+        if self.closed:
+            return
+        self._close(outcome)
+        if self.conn is not None and self.st is not None:
+            self.conn.reset(self.st)
+
+    def _complete(self) -> None:
+        assert self.conn is not None and self.st is not None
+        self.conn.finish_stream(self.st)
+        shadow, digest = self.shadow, self.digest
+        primary = shadow.primary
+        assert primary is not None  # a sink is sent only once the primary's answer is in
+        observed = Observation(
+            self.status,
+            self.headers,
+            digest.length,
+            digest.hexdigest(),
+            trio.current_time() - shadow.sent,
+            digest.sample,
+        )
+        self._close(self.mirror._compare(shadow, self.copy, primary, observed))
+
+    def _close(self, outcome: str) -> None:
+        self.closed = True
+        self.mirror._sink_closed(self, outcome)
+
+
 @asynccontextmanager
 async def open_mirror(config: MirrorConfig | None = None) -> AsyncIterator[Mirror]:
     """A running :class:`Mirror` for the ``async with`` block, with its own shadow pool and nursery.
@@ -520,8 +657,10 @@ async def open_mirror(config: MirrorConfig | None = None) -> AsyncIterator[Mirro
     with one_error():
         async with open_upstreams(config.upstream()) as upstreams, trio.open_nursery() as nursery:
             mirror = Mirror(config, upstreams, nursery)
+            nursery.start_soon(mirror._sweep_sinks)
             try:
                 yield mirror
             finally:
                 mirror.closing = True
+                mirror._stop_sinks()
                 nursery.cancel_scope.cancel()

@@ -227,7 +227,8 @@ class Twin:
     - ``/``: a fixed body; ``/differ``: the variant in the body;
     - ``/echo``: the request body streamed back; ``/sleep?ms=N``; ``/status/N``;
     - ``mode`` (for the shadow): ``"ok"``, ``"slow"`` (sleep ``delay`` first),
-      ``"503"``, ``"hold"`` (never answer), ``"noread"`` (never read the body, never answer).
+      ``"503"``, ``"hold"`` (never answer), ``"noread"`` (never read the body, never answer),
+      ``"stall"`` (answer a head and a first chunk, then nothing).
 
     Records every request (method, authority, path, fields, body bytes read)
     and the requests cancelled while in flight.
@@ -258,6 +259,8 @@ class Twin:
                 await trio.sleep_forever()
             if self.mode == "503":
                 return text_response(503, "busy\n")
+            if self.mode == "stall":
+                return Response(200, [], IterBody(_stall()))
             path, _, query = request.path.partition(b"?")
             if path == b"/echo":
                 return Response(200, [(b"content-type", b"application/octet-stream")], IterBody(_echo(request.body)))
@@ -277,6 +280,11 @@ class Twin:
         except trio.Cancelled:
             self.cancelled += 1
             raise
+
+
+async def _stall() -> AsyncIterator[bytes]:
+    yield b"a first chunk\n"
+    await trio.sleep_forever()
 
 
 async def _echo(body: Body) -> AsyncIterator[bytes]:
@@ -594,6 +602,48 @@ async def test_every_wait_on_the_shadow_is_bounded_by_the_stall_timeout(nursery:
             print(f"\nboth shadows given up after {trio.current_time() - start:.2f} s (stall timeout 0.5 s)")
         for r in (rig, held):
             assert r.mirror_stats.in_flight == 0 and r.mirror_stats.sampled == 1
+
+
+class _ShadowTasks(trio.abc.Instrument):
+    """Counts the mirror's shadow tasks as they are spawned."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("Mirror._run"):
+            self.spawned += 1
+
+
+@pytest.mark.parametrize("mode", ["ok", "stall"])
+async def test_a_body_less_copy_is_read_where_it_arrives_with_no_task(nursery: trio.Nursery, mode: str) -> None:
+    """Once the shadow pool has a connection, a GET's copy needs no task; a stalled body is still bounded."""
+    with trio.fail_after(15):
+        config = MirrorConfig(stall_timeout=0.5)
+        rig = await assemble(nursery, MirrorSetting(to="cand"), config, shadow=Twin("v2", mode=mode))
+        tasks = _ShadowTasks()
+        async with open_upstreams() as client:
+            await fetch(client, rig.edge.port, b"/")  # the shadow pool opens its connection (in a task)
+            await wait_for(lambda: rig.mirror_stats.in_flight == 0, lambda: repr(rig.mirror_stats))
+            trio.lowlevel.add_instrument(tasks)
+            try:
+                start = trio.current_time()
+                for path in (b"/", b"/differ", b"/status/201", b"/"):
+                    assert (await fetch(client, rig.edge.port, path))[0] in (200, 201)
+                await wait_for(lambda: rig.mirror_stats.in_flight == 0, lambda: repr(rig.mirror_stats))
+                took = trio.current_time() - start
+            finally:
+                trio.lowlevel.remove_instrument(tasks)
+        stats = rig.mirror_stats
+        assert tasks.spawned == 0, tasks.spawned
+        assert stats.sampled == 5 and len(rig.shadow.seen) == 5, stats
+        if mode == "ok":
+            assert (stats.matches, stats.mismatches) == (4, 1), stats  # /differ: v1 against v2
+            assert all(route.latency_ratio > 0 for route in stats.routes.values()), stats.routes
+        else:
+            # Each stalled copy is given up between the stall timeout and a sweep later.
+            assert stats.timed_out == 5 and stats.compared == 0, stats
+            assert took < 0.5 + 0.25 + 2.0, took
 
 
 # -- comparison ---------------------------------------------------------------------------------------

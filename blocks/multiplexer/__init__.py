@@ -45,7 +45,7 @@ import attrs
 import trio
 
 from blocks._h2 import H2Driver, H2Stream
-from blocks._splice import HeadFilter
+from blocks._splice import HeadFilter, Sink
 from blocks.http import Headers, Request, Response
 from blocks.multiplexer._config import PoolStatistics, UpstreamConfig
 from blocks.multiplexer._h1pool import _H1Pool
@@ -106,6 +106,21 @@ class Upstreams:
         if pool is None:
             return False
         done: bool = pool.splice(request, headers, down, down_st, request_ended, head_filter, on_close)
+        return done
+
+    def sink(self, address: Address, request: Request, headers: Headers, sink: Sink) -> bool:
+        """Send a body-less ``request`` to ``address`` now, its response to ``sink``; no task.
+
+        Returns False, having done nothing, when no pooled h2 connection has
+        a free stream slot (the caller then takes the awaiting path). The
+        pool's timeout bounds the wait for the response head (``failed`` with
+        :class:`~blocks.errors.UpstreamTimeout`); the sink bounds the rest.
+        Nothing is sent again: a refused stream fails.
+        """
+        pool = self._pools.get((address, "h2"))
+        if pool is None:
+            return False
+        done: bool = pool.sink(request, headers, sink)
         return done
 
     async def request(

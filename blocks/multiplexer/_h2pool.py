@@ -13,7 +13,7 @@ import h2.exceptions
 import trio
 
 from blocks._h2 import H2Driver, H2Stream, flush_marked, make_h2
-from blocks._splice import HeadFilter, Splice
+from blocks._splice import HeadFilter, Sink, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import Body, Headers, Request, Response, empty_body
@@ -229,7 +229,7 @@ class H2ClientConnection(H2Driver):
         """``st`` was never processed upstream: fail it so that its request may be retried."""
         error = st.error = _Refused(f"upstream {self.pool.address} refused the stream ({why})")
         splice = st.splice
-        if splice is not None:
+        if type(splice) is Splice:  # (not a sink: those are never sent again)
             replay: object = splice.down_st.splice
             if type(replay) is _Replay and replay.splice is splice and not splice.closed:
                 # No body byte went upstream: keep the downstream stream and splice it again.
@@ -594,6 +594,24 @@ class _H2Pool:
         except (h2.exceptions.ProtocolError, UpstreamProtocolError):
             return False  # the handler path tries again, and answers the error if it stands
         self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
+        return True
+
+    def sink(self, request: Request, headers: Headers, sink: Sink) -> bool:
+        """Send a body-less request on a free slot, its response to ``sink``; False if no slot is free now."""
+        conn = self._free()
+        if conn is None:
+            return False
+        flush_marked()  # what the caller's batch has queued (a primary's last frames) goes first
+        try:
+            st = conn._send_head(request, headers, True)
+        except (h2.exceptions.ProtocolError, UpstreamProtocolError):
+            return False
+        st.local_ended = True
+        st.splice = sink  # type: ignore[assignment]  # duck-typed: the drivers call what a splice has
+        sink.opened(conn, st)
+        self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
+        conn.mark()
+        flush_marked()  # maybe not in a reader's batch: write the head now
         return True
 
     async def resplice(self, replay: _Replay, refused_by: H2ClientConnection) -> None:
