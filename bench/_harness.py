@@ -26,7 +26,8 @@ HOST = "127.0.0.1"
 def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None) -> None:
     """Run one proxyblocks server until interrupted (a benchmark's ``--serve`` mode).
 
-    ``replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY``;
+    ``replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY``, or
+    ``chain PORT REPLICA`` (edge, proxy and worker in one process, as the chain recipe runs them);
     ``scheduler`` is the proxy's ``SchedulerConfig`` (tenant: ``x-tenant``), if any.
     """
     sys.path.insert(0, str(ROOT))
@@ -36,7 +37,10 @@ def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None)
 
     server: Any
     if role == "replica":
-        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port)
+        # A reference hop opens one upstream connection and cannot reopen it: keep it
+        # open however long the rounds leave it idle.
+        config = blocks.ListenerConfig(h2_idle_timeout=86400.0)
+        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port, config=config)
     elif role == "worker":
         (replica,) = upstream
         replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
@@ -50,10 +54,30 @@ def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None)
     elif role == "edge":
         (proxy,) = upstream
         server = functools.partial(blocks.serve_edge, blocks.EdgeConfig(proxy=(HOST, proxy)), host=HOST, port=port)
+    elif role == "chain":
+        (replica,) = upstream
+        server = functools.partial(_serve_chain, port, replica)
     else:
         raise SystemExit(f"unknown role {role!r}")
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(server)
+
+
+async def _serve_chain(port: int, replica: int) -> None:
+    """Edge, proxy and worker in this one process, as ``recipes/chain.py`` runs them, before ``replica``."""
+    import trio
+
+    import blocks
+
+    async with trio.open_nursery() as nursery:
+        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
+        worker, _ = await nursery.start(functools.partial(blocks.serve_worker, replicas, host=HOST))
+        routes = blocks.RouteTable.build(
+            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker.port), address=(HOST, replica))]}
+        )
+        proxy, _ = await nursery.start(functools.partial(blocks.serve_proxy, routes, host=HOST))
+        config = blocks.EdgeConfig(proxy=(HOST, proxy.port))
+        await nursery.start(functools.partial(blocks.serve_edge, config, host=HOST, port=port))
 
 
 def free_port() -> int:

@@ -134,9 +134,13 @@ async def serve_demo_replica(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    config: ListenerConfig | None = None,
     task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve :class:`DemoApp` ``name`` over h1 and h2c on one port, WebSockets (:func:`websocket_echo`) included."""
+    """Serve :class:`DemoApp` ``name`` over h1 and h2c on one port, WebSockets (:func:`websocket_echo`) included.
+
+    ``config``: the listener's settings (default ``ListenerConfig()``).
+    """
     async with open_websocket_app(websocket_echo, DemoApp(name)) as app:
-        serve = functools.partial(serve_http, app, host=host, port=port, config=ListenerConfig())
+        serve = functools.partial(serve_http, app, host=host, port=port, config=config or ListenerConfig())
         await serve(task_status=task_status)
