@@ -1,8 +1,8 @@
-"""What the benchmarks share: server processes, h2load runs, small statistics.
+"""What the benchmarks share: server processes, h2load runs and their figures, small statistics.
 
 Not a benchmark itself, so it prints no ``verdict:`` line; each benchmark
-that imports it (``bench/chain.py``, ``bench/fairness.py``, run as scripts
-from the repository root) ends with its own.
+that imports it (``bench/chain.py``, ``bench/fairness.py``,
+``bench/mirror.py``, run as scripts from the repository root) ends with its own.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,8 @@ async def _serve_chain(port: int, replica: int) -> None:
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -200,6 +202,62 @@ def h2load(port: int, args: list[str], timeout: float, log_file: Path | None = N
                 f"{errored} errored, {timed_out} timeout, {non2xx} non-2xx"
             )
     return out, problems
+
+
+WARMUP = ["-n", "500", "-c", "8", "-m", "32"]
+
+
+@dataclass
+class Result:
+    """One target's figures: rps at ``-c 8 -m 32``, and p50/p99 in µs at ``-c 1 -m 1``."""
+
+    name: str
+    rps: float = math.nan
+    p50_us: float = math.nan
+    p99_us: float = math.nan
+    problems: list[str] = field(default_factory=list)
+
+
+def measure(
+    name: str,
+    port: int,
+    n: int,
+    m: int,
+    tmp: Path,
+    *,
+    warm: bool,
+    between: Callable[[], None] | None = None,
+    verbose: bool = False,
+) -> Result:
+    """Throughput (h2load -n N -c 8 -m 32), then ``between()``, then one-at-a-time latency (-n M -c 1 -m 1)."""
+    result = Result(name)
+    if warm:
+        _, problems = h2load(port, WARMUP, timeout=60)
+        result.problems += problems
+    out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
+    result.problems += problems
+    if verbose:
+        print(out)
+    if finished := re.search(r"finished in \S+, ([\d.]+) req/s", out):
+        result.rps = float(finished.group(1))
+    if between is not None:
+        between()
+    log_file = tmp / f"c1-{port}.tsv"
+    log_file.unlink(missing_ok=True)
+    out, problems = h2load(port, ["-n", str(m), "-c", "1", "-m", "1"], timeout=60 + m / 50, log_file=log_file)
+    result.problems += problems
+    if verbose:
+        print(out)
+    elapsed = []
+    if log_file.exists():
+        for line in log_file.read_text().splitlines():
+            cols = line.split("\t")
+            if len(cols) >= 3 and cols[1].isdigit() and 200 <= int(cols[1]) < 300:
+                elapsed.append(int(cols[2]))
+    elapsed.sort()
+    result.p50_us = percentile(elapsed, 0.50)
+    result.p99_us = percentile(elapsed, 0.99)
+    return result
 
 
 def percentile(sorted_values: list[float] | list[int], q: float) -> float:

@@ -51,22 +51,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, Process, Processes, free_port, h2load, load_average, percentile, serve_role
+from _harness import ROOT, Process, Processes, Result, free_port, load_average, measure, serve_role
 
 REFERENCE = ROOT.parent / "shared" / "reference"
 RPS_TARGET = 1.2  # proxyblocks 1 hop rps / reference hop rps, at least
 P50_TARGET = 0.8  # proxyblocks chain c1 p50 / reference 3-hop chain c1 p50, at most
-WARMUP = ["-n", "500", "-c", "8", "-m", "32"]
 
 
 # -- helper mode: one proxyblocks hop in this process ------------------------------------
@@ -81,50 +78,6 @@ def self_argv(role: str, port: int, *upstream: int) -> list[str]:
 
 def reference_argv(listen: int, upstream: int, novalid: bool) -> list[str]:
     return ["trio_h2_proxy.py", str(listen), str(upstream), *(["--novalid"] if novalid else [])]
-
-
-# -- h2load ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    target: str
-    rps: float = math.nan
-    p50_us: float = math.nan
-    p99_us: float = math.nan
-    problems: list[str] = field(default_factory=list)
-
-
-def measure(name: str, port: int, n: int, m: int, tmp: Path, verbose: bool, *, warm: bool) -> Result:
-    result = Result(name)
-    if warm:
-        _, problems = h2load(port, WARMUP, timeout=60)
-        result.problems += problems
-
-    out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
-    result.problems += problems
-    if verbose:
-        print(out)
-    finished = re.search(r"finished in \S+, ([\d.]+) req/s", out)
-    if finished:
-        result.rps = float(finished.group(1))
-
-    log_file = tmp / f"c1-{port}.tsv"
-    out, problems = h2load(port, ["-n", str(m), "-c", "1", "-m", "1"], timeout=60 + m / 50, log_file=log_file)
-    result.problems += problems
-    if verbose:
-        print(out)
-    elapsed = []
-    if log_file.exists():
-        for line in log_file.read_text().splitlines():
-            cols = line.split("\t")
-            if len(cols) >= 3 and cols[1].lstrip("-").isdigit() and 200 <= int(cols[1]) < 300:
-                elapsed.append(int(cols[2]))
-    if elapsed:
-        elapsed.sort()
-        result.p50_us = percentile(elapsed, 0.50)
-        result.p99_us = percentile(elapsed, 0.99)
-    return result
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -205,7 +158,7 @@ def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
             print(f"... round {round_no + 1}/{rounds}", flush=True)
             for label in order:
                 port, hops = ready[label]
-                sample = measure(label, port, n, m, tmp, verbose, warm=round_no == 0)
+                sample = measure(label, port, n, m, tmp, warm=round_no == 0, verbose=verbose)
                 for proc in [*hops, replica]:
                     if (code := proc.popen.poll()) is not None:
                         how = f"killed by signal {-code} (not by this script)" if code < 0 else f"exited with {code}"
@@ -233,9 +186,9 @@ def report(results: dict[str, Result]) -> int:
     print()
     print(f"{'target':<34} {'rps (c8 m32)':>12} {'c1 p50 µs':>10} {'c1 p99 µs':>10}")
     for r in results.values():
-        print(f"{r.target:<34} {r.rps:>12.0f} {r.p50_us:>10.0f} {r.p99_us:>10.0f}")
+        print(f"{r.name:<34} {r.rps:>12.0f} {r.p50_us:>10.0f} {r.p99_us:>10.0f}")
 
-    problems = [(r.target, p) for r in results.values() for p in r.problems]
+    problems = [(r.name, p) for r in results.values() for p in r.problems]
     if problems:
         print("\nPROBLEMS:")
         for target, problem in problems:

@@ -46,14 +46,12 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import HOST, ROOT, Process, Processes, free_port, h2load, load_average, percentile, serve_role
+from _harness import HOST, ROOT, Process, Processes, Result, free_port, load_average, measure, serve_role
 
 P50_TARGET = 1.1  # each case's c1 p50 / off's, at most
 RSS_TARGET = 2.0  # the never-read proxy's peak RSS / the off proxy's, at most
-WARMUP = ["-n", "500", "-c", "8", "-m", "32"]
 CASES = ["off", "10% healthy", "100% healthy", "100% never reads"]
 
 
@@ -144,41 +142,6 @@ def serve_rss_proxy(port: int, worker: int, replica: int) -> None:
 # -- measuring ------------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    case: str
-    rps: float = math.nan
-    p50_us: float = math.nan
-    p99_us: float = math.nan
-    problems: list[str] = field(default_factory=list)
-
-
-def measure(name: str, port: int, n: int, m: int, tmp: Path, proxy: Process, *, warm: bool) -> Result:
-    result = Result(name)
-    if warm:
-        _, problems = h2load(port, WARMUP, timeout=60)
-        result.problems += problems
-    out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
-    result.problems += problems
-    if finished := re.search(r"finished in \S+, ([\d.]+) req/s", out):
-        result.rps = float(finished.group(1))
-    settle(proxy)
-    log_file = tmp / f"c1-{port}.tsv"
-    log_file.unlink(missing_ok=True)
-    out, problems = h2load(port, ["-n", str(m), "-c", "1", "-m", "1"], timeout=60 + m / 50, log_file=log_file)
-    result.problems += problems
-    elapsed = []
-    if log_file.exists():
-        for line in log_file.read_text().splitlines():
-            cols = line.split("\t")
-            if len(cols) >= 3 and cols[1].isdigit() and 200 <= int(cols[1]) < 300:
-                elapsed.append(int(cols[2]))
-    elapsed.sort()
-    result.p50_us = percentile(elapsed, 0.50)
-    result.p99_us = percentile(elapsed, 0.99)
-    return result
-
-
 def settle(proxy: Process, timeout: float = 15.0) -> None:
     """Wait until ``proxy`` (mirroring) has no shadow in flight: the copies that the
     throughput run left behind must not land on the latency run that follows."""
@@ -248,7 +211,9 @@ def run_benchmark(n: int, m: int, rounds: int) -> int:
             order = CASES[round_no % len(CASES) :] + CASES[: round_no % len(CASES)]
             print(f"... round {round_no + 1}/{rounds}", flush=True)
             for case in order:
-                sample = measure(case, edges[case], n, m, tmp, proxies[case], warm=round_no == 0)
+                sample = measure(
+                    case, edges[case], n, m, tmp, warm=round_no == 0, between=functools.partial(settle, proxies[case])
+                )
                 for proc in procs.all:
                     if (code := proc.popen.poll()) is not None:
                         sample.problems.append(f"{proc.name} exited with {code} during the run:\n{proc.tail()}")
@@ -284,7 +249,7 @@ def report(results: dict[str, Result], figures: dict[str, tuple[str, int]]) -> i
     for case, (last, _) in figures.items():
         if case != "off":
             print(f"{case}: {last.removeprefix('mirror ')}")
-    problems = [(r.case, p) for r in results.values() for p in r.problems]
+    problems = [(r.name, p) for r in results.values() for p in r.problems]
     if problems:
         print("\nPROBLEMS:")
         for case, problem in problems:

