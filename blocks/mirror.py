@@ -49,7 +49,6 @@ are sans-IO, in :mod:`blocks.tee`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 from collections.abc import AsyncIterator, Callable
@@ -177,23 +176,31 @@ def shadow_authority(authority: bytes, suffix: bytes) -> bytes:
 
 
 class _Shadow:
-    """One copied request: the tee on the primary's path, and the state its shadow task reads.
+    """One copied request: the tee on the primary's path, and the state its shadow reads.
 
     The primary side (``request``, ``response``, ``head``, ``abort``,
-    ``closed``) only records and signals: it never blocks or raises.
+    ``closed``) only records and signals: it never blocks or raises. What
+    only a shadow task needs (the copy's body and buffer, a cancel scope, an
+    event to wait on) is made when one starts: a copy without a body, read
+    by a sink, never needs them.
     """
 
     __slots__ = (
+        "address",
         "app",
         "body",
         "buffer",
         "compare_names",
+        "copy_headers",
         "digest",
         "done",
         "fed",
         "headers",
-        "launch",
+        "mirror",
+        "original",
         "outcome",
+        "over",
+        "pending",
         "primary",
         "request_ended",
         "route",
@@ -202,34 +209,53 @@ class _Shadow:
         "start",
         "status",
         "target",
+        "trailers",
     )
 
     def __init__(
-        self, app: str, route: str, start: float, buffer: TeeBuffer, compare_names: tuple[bytes, ...], sample: int
+        self,
+        mirror: Mirror,
+        app: str,
+        route: str,
+        request: Request,
+        address: Address,
+        copy_headers: Headers,
+        target: str,
+        compare_names: tuple[bytes, ...],
     ) -> None:
+        self.mirror = mirror
         self.app = app
         self.route = route
-        self.start = start
-        self.buffer = buffer
+        self.original = request  # the primary's: the copy's head is made from it when it goes
+        self.address = address
+        self.copy_headers = copy_headers  # the fields the copy goes with
+        self.target = target  # the shadow replica, for the in-flight count
         self.compare_names = compare_names
-        self.body = StreamBody(on_consumed=buffer.take)
-        self.scope = trio.CancelScope()
-        self.digest = BodyDigest(sample)
+        self.start = self.sent = trio.current_time()  # ``sent``: when the copy went
+        self.digest = BodyDigest(mirror.config.sample_bytes)
         self.status = 0
         self.headers: tuple[tuple[bytes, bytes | None], ...] = ()
         self.primary: Observation | None = None
         self.request_ended = False
+        self.trailers: Headers | None = None
         self.fed = False  # a request body byte came
-        self.done = trio.Event()  # the primary completed, or broke
+        self.over = False  # the primary completed, or broke
+        self.pending = True  # not gone yet: it goes with the first body byte, or once the primary is over
         self.outcome: str | None = None  # why the shadow was stopped from the primary's side
-        self.target: str | None = None  # the shadow replica, for the in-flight count
-        self.launch: Callable[[], None] | None = None  # starts the shadow task; None once called
-        self.sent = start  # when the shadow task started
+        self.body: StreamBody | None = None  # the task path's: the copy's body,
+        self.buffer: TeeBuffer | None = None  # what of it the shadow has not taken,
+        self.scope: trio.CancelScope | None = None  # its task's scope,
+        self.done: trio.Event | None = None  # set when ``over``, if the task waits for it
 
     def _launch(self) -> None:
-        launch, self.launch = self.launch, None
-        if launch is not None:
-            launch()
+        if self.pending:
+            self.pending = False
+            self.mirror._start(self)
+
+    def _over(self) -> None:
+        self.over = True
+        if self.done is not None:
+            self.done.set()
 
     # -- the primary's side (blocks._tap.Tee) ----------------------------------------------
 
@@ -238,14 +264,19 @@ class _Shadow:
             return
         if data:
             self.fed = True
-            self._launch()  # a body: the copy streams with it
-            if not self.buffer.push(len(data)):
+            self._launch()  # a body: the copy streams with it (a task, with its body and buffer)
+            buffer, body = self.buffer, self.body
+            if buffer is None or body is None:
+                return  # the mirror is closing: no task
+            if not buffer.push(len(data)):
                 self._stop("abandoned")
                 return
-            self.body.feed(data)
+            body.feed(data)
         if end:
             self.request_ended = True
-            self.body.end(trailers)
+            self.trailers = trailers
+            if self.body is not None:
+                self.body.end(trailers)
 
     def head(self, status: int, headers: Headers) -> None:
         self.status = status
@@ -266,7 +297,7 @@ class _Shadow:
                 trio.current_time() - self.start,
                 digest.sample,
             )
-            self.done.set()
+            self._over()
 
     def abort(self) -> None:
         self._stop("aborted")
@@ -274,19 +305,21 @@ class _Shadow:
     def closed(self) -> None:
         if self.primary is None or not self.request_ended:
             self._stop("aborted")  # the primary broke (or was cut short): the copy goes with it
-        self.done.set()
+        self._over()
         # A request without a body is copied once the primary's exchange is over: the
         # shadow's work never competes with the primary's, on its way there or back.
         self._launch()
 
     def _stop(self, outcome: str) -> None:
-        if self.outcome is None and not self.scope.cancelled_caught:
+        scope = self.scope
+        if self.outcome is None and (scope is None or not scope.cancelled_caught):
             self.outcome = outcome
-            self.scope.cancel()
-            self.buffer.close()
-            self.done.set()
-            if self.launch is not None:
-                self._launch()  # never sent: its task starts cancelled, and counts the outcome
+            if scope is not None:
+                scope.cancel()
+            if self.buffer is not None:
+                self.buffer.close()
+            self._over()
+            self._launch()  # never sent: it is counted, and nothing goes
 
 
 @attrs.define(eq=False)
@@ -407,62 +440,51 @@ class Mirror:
             address = setting.address
             target = f"{address[0]}:{address[1]}"
         counts["sampled"] += 1
-        shadow = _Shadow(
-            app,
-            route_name(app, route),
-            trio.current_time(),
-            TeeBuffer(self._budget, self.config.buffer),
-            setting.compare,
-            self.config.sample_bytes,
-        )
-        shadow.target = target
         self.in_flight[target] = self.in_flight.get(target, 0) + 1
         self._running += 1
-        copy = Request(
-            request.method,
-            request.scheme,
-            shadow_authority(request.authority, self._suffix),
-            request.path,
-            body=shadow.body,
-            client=request.client,
-        )
-        shadow.launch = functools.partial(self._start, shadow, address, copy, shadow_headers)
-        # The task starts with the request's first body byte, or (no body) once the primary's
-        # exchange is over; either way after the reader's batch: the primary's frames go out first.
-        return shadow
+        # It goes with the request's first body byte, or (no body) once the primary's
+        # exchange is over; either way after the reader's batch: the primary's frames go first.
+        return _Shadow(self, app, route_name(app, route), request, address, shadow_headers, target, setting.compare)
 
-    def _start(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> None:
+    def _start(self, shadow: _Shadow) -> None:
         if shadow.outcome is not None:  # stopped before it went (the primary broke): count it, send nothing
-            shadow.buffer.close()
             self._finished(shadow, shadow.outcome)
             return
-        if shadow.primary is not None and not shadow.fed and not copy.body.trailers:
+        request = shadow.original
+        authority = shadow_authority(request.authority, self._suffix)
+        if shadow.primary is not None and not shadow.fed and not shadow.trailers:
             # Body-less, and the primary's answer is in: the pool's reader reads the
             # shadow's answer where it arrives, on a free slot of a connection it has.
+            copy = Request(request.method, request.scheme, authority, request.path, client=request.client)
             sink = _Sink(self, shadow, copy)
-            if self.upstreams.sink(address, copy, headers, sink):
+            if self.upstreams.sink(shadow.address, copy, shadow.copy_headers, sink):
                 self._sinks[sink] = None
                 return
+        buffer = shadow.buffer = TeeBuffer(self._budget, self.config.buffer)
+        body = shadow.body = StreamBody(on_consumed=buffer.take)
+        if shadow.request_ended:
+            body.end(shadow.trailers)
+        shadow.scope = trio.CancelScope()
+        copy = Request(request.method, request.scheme, authority, request.path, body=body, client=request.client)
         try:
-            self._nursery.start_soon(self._run, shadow, address, copy, headers)
+            self._nursery.start_soon(self._run, shadow, copy)
         except RuntimeError:  # the mirror has closed (a late primary of a proxy shutting down)
-            shadow.buffer.close()
+            shadow.outcome = "cancelled"
+            buffer.close()
             self._finished(shadow, "cancelled")
 
     def _finished(self, shadow: _Shadow, outcome: str) -> None:
         self._counts[outcome] += 1
         self._running -= 1
         target = shadow.target
-        if target is not None:
-            left = self.in_flight[target] - 1
-            if left:
-                self.in_flight[target] = left
-            else:
-                del self.in_flight[target]
+        left = self.in_flight[target] - 1
+        if left:
+            self.in_flight[target] = left
+        else:
+            del self.in_flight[target]
 
     def _sink_closed(self, sink: _Sink, outcome: str) -> None:
         del self._sinks[sink]
-        sink.shadow.buffer.close()
         self._finished(sink.shadow, outcome)
 
     async def _sweep_sinks(self) -> None:
@@ -480,22 +502,24 @@ class Mirror:
 
     # -- the shadow task ----------------------------------------------------------------------
 
-    async def _run(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> None:
+    async def _run(self, shadow: _Shadow, copy: Request) -> None:
+        scope, buffer = shadow.scope, shadow.buffer
+        assert scope is not None and buffer is not None  # made with the task (see _start)
         outcome = "cancelled"
         shadow.sent = trio.current_time()
         try:
-            with shadow.scope:
-                outcome = await self._exchange(shadow, address, copy, headers)
-            if shadow.scope.cancelled_caught:
+            with scope:
+                outcome = await self._exchange(shadow, copy)
+            if scope.cancelled_caught:
                 outcome = shadow.outcome or "cancelled"
         finally:
-            shadow.buffer.close()
+            buffer.close()
             self._finished(shadow, outcome)
 
-    async def _exchange(self, shadow: _Shadow, address: Address, copy: Request, headers: Headers) -> str:
+    async def _exchange(self, shadow: _Shadow, copy: Request) -> str:
         stall = self.config.stall_timeout
         try:
-            response = await self.upstreams.request(address, copy, headers)
+            response = await self.upstreams.request(shadow.address, copy, shadow.copy_headers)
         except UpstreamTimeout:
             return "timed_out"
         except BlocksError:
@@ -526,7 +550,9 @@ class Mirror:
             trio.current_time() - shadow.sent,
             digest.sample,
         )
-        await shadow.done.wait()  # the primary's end: bounded by the primary's own life, never ours
+        if not shadow.over:
+            shadow.done = trio.Event()
+            await shadow.done.wait()  # the primary's end: bounded by the primary's own life, never ours
         primary = shadow.primary
         if primary is None or shadow.outcome is not None:
             return shadow.outcome or "aborted"

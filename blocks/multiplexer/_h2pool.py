@@ -12,7 +12,7 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, flush_marked, make_h2
+from blocks._h2 import H2Driver, H2Stream, flush_marked, in_batch, make_h2
 from blocks._splice import HeadFilter, Sink, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
@@ -601,7 +601,6 @@ class _H2Pool:
         conn = self._free()
         if conn is None:
             return False
-        flush_marked()  # what the caller's batch has queued (a primary's last frames) goes first
         try:
             st = conn._send_head(request, headers, True)
         except (h2.exceptions.ProtocolError, UpstreamProtocolError):
@@ -610,8 +609,11 @@ class _H2Pool:
         st.splice = sink  # type: ignore[assignment]  # duck-typed: the drivers call what a splice has
         sink.opened(conn, st)
         self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
+        # Written after what the caller's batch marked before (a primary's last frames), and
+        # with every other head sent to this connection in the same batch.
         conn.mark()
-        flush_marked()  # maybe not in a reader's batch: write the head now
+        if not in_batch():
+            flush_marked()
         return True
 
     async def resplice(self, replay: _Replay, refused_by: H2ClientConnection) -> None:
