@@ -5,7 +5,7 @@ What it measures, over h2c on 127.0.0.1, every server a separate OS process:
     off                 edge -> proxy (no mirror) -> worker -> replica
     10% healthy         the same proxy mirroring 10 % of requests to a healthy shadow
     100% healthy        mirroring every request to it
-    100% never reads    mirroring every request to an h2 server that takes the stream and never reads nor answers
+    100% never reads    mirroring every request to a server that opens the connection and never reads a byte
     100% to an app on these cores   (for information) mirroring every request to a
                         shadow app of the same make as the primary: a worker and a demo replica
 
@@ -137,19 +137,21 @@ def serve_mirroring_proxy(port: int, worker: int, replica: int, fraction: float,
 
 
 def serve_never_reads(port: int) -> None:
-    """An h2 server that takes every stream and never reads its body nor answers."""
-    sys.path.insert(0, str(ROOT))
+    """A TCP server that opens each connection as HTTP/2 and then never reads a byte of it, nor answers.
+
+    Its preface (an empty SETTINGS frame) makes the connection usable, so
+    the copies' streams open and their heads go out, into a socket nobody
+    reads: the tee's every bound at work, and no CPU of this machine spent
+    on the shadow's side.
+    """
     import trio
 
-    import blocks
-
-    async def handler(request: blocks.Request) -> blocks.Response:
+    async def hold(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # SETTINGS, no parameters (RFC 9113 6.5)
         await trio.sleep_forever()
-        raise AssertionError("unreachable")
 
-    config = blocks.ListenerConfig(max_concurrent_streams=1000, validate=False)
     with contextlib.suppress(KeyboardInterrupt):
-        trio.run(functools.partial(blocks.serve_http, handler, host=HOST, port=port, config=config))
+        trio.run(functools.partial(trio.serve_tcp, hold, port, host=HOST))
 
 
 def serve_rss_proxy(port: int, worker: int, replica: int) -> None:
