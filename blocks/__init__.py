@@ -1,5 +1,6 @@
 """proxyblocks: composable reverse-proxy building blocks on Trio."""
 
+from blocks._h2 import H2ConnectionStatistics
 from blocks.demo import DemoApp, serve_demo_replica, websocket_echo
 from blocks.errors import (
     BadRequest,
@@ -50,7 +51,7 @@ from blocks.http import (
     respond,
     text_response,
 )
-from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.listener import HTTPServer, ListenerConfig, ServerStatistics, serve_http
 from blocks.load import (
     LOAD_PATH,
     PROBE_HEADER,
@@ -69,7 +70,7 @@ from blocks.load import (
     parse_load,
 )
 from blocks.mirror import MIRROR_HEADER, Mirror, MirrorConfig, MirrorStatistics, open_mirror
-from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+from blocks.multiplexer import PoolStatistics, UpstreamConfig, Upstreams, open_upstreams
 from blocks.prober import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
 from blocks.routing import (
     Address,
@@ -184,11 +185,14 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamTimeout",
     # listener
+    "H2ConnectionStatistics",
     "HTTPServer",
     "ListenerConfig",
+    "ServerStatistics",
     "serve_http",
     # stream multiplexer (client side)
     "Address",
+    "PoolStatistics",
     "UpstreamConfig",
     "Upstreams",
     "open_upstreams",

@@ -73,10 +73,12 @@ _PATH = re.compile(rb"/[\x21-\x7e]*\Z")
 # The first line start that is either the end of the head or an obs-fold.
 _END_OR_FOLD = re.compile(rb"\n(?:\r?\n|[ \t])")
 _ABSOLUTE = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)(.*)\Z", re.DOTALL)
-# After an error answer, how long and how much of the client's unread input
-# is read and dropped before closing (see _linger).
-_LINGER_SECONDS = 1.0
-_LINGER_BYTES = 1024 * 1024
+# After an answer that leaves the client's input unread, how long its input is
+# read and dropped before closing: at most _LINGER_SECONDS in all, and until
+# _LINGER_IDLE seconds pass without any (nginx's lingering_time and
+# lingering_timeout; see _linger).
+_LINGER_SECONDS = 10.0
+_LINGER_IDLE = 1.0
 # Where h11 holds a request that asked to Upgrade (a documented state, left out of h11.__all__).
 _MIGHT_SWITCH = h11.MIGHT_SWITCH_PROTOCOL  # type: ignore[attr-defined]
 
@@ -367,21 +369,26 @@ async def _read_head(reader: H1Stream, config: ListenerConfig, drain: Any, *, fi
 
 
 async def _linger(stream: trio.abc.Stream) -> None:
-    """Shut our side, then drop what the client still sends, briefly.
+    """Shut our side, then drop what the client still sends, until it stops.
 
     Closing a socket with unread input makes the kernel reset it, which can
-    destroy the error response still on its way to the client (RFC 9112
-    9.6): a client still sending a body it was told not to would get a
-    reset instead of its 413.
+    destroy the answer still on its way to the client (RFC 9112 9.6): a
+    client still sending a body it was told not to (or answered before it
+    finished) would get a reset instead of its answer. So the input is read
+    and dropped until the client closes or goes quiet, within a bound: what
+    is in flight on a fast link is megabytes, so no byte count would do.
     """
     if not isinstance(stream, trio.abc.HalfCloseableStream):
         return
     with trio.move_on_after(_LINGER_SECONDS):
         try:
             await stream.send_eof()
-            left = _LINGER_BYTES
-            while left > 0 and (data := await stream.receive_some(65536)):
-                left -= len(data)
+            while True:
+                with trio.move_on_after(_LINGER_IDLE):
+                    if not await stream.receive_some(65536):
+                        return
+                    continue
+                return  # quiet: whatever it still had to read, it has had the time to
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
@@ -447,14 +454,15 @@ async def serve_h1(
             if not response.body.ended:
                 await _abandon(response.body)
             response.closed()
-        if request is not None and not request.body.ended:
-            await request.body.aclose()
+        early = request is not None and not request.body.ended  # answered before the upload ended
+        if request is not None and early:
+            await request.body.aclose()  # (whoever relayed it stops here)
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not close:
             conn.start_next_cycle()
             continue
-        if request is None or broken is not None:
-            # Refused: the client may still be sending what we will not read.
-            # (Not after an early answer: a relay may still be reading the body.)
+        if request is None or broken is not None or early:
+            # The client may still be sending what we will not read: closing
+            # now would reset the connection under the answer it has yet to read.
             await _linger(stream)
         return
 

@@ -16,11 +16,16 @@ Invariants:
 - Outbound DATA never exceeds the stream's or the connection's send window:
   :meth:`H2Driver.send_data` waits on a per-stream signal that window
   updates, settings changes and stream closes all set.
-- Inbound DATA is fed to the stream's :class:`~blocks.http.StreamBody`, and
-  its window is returned (``acknowledge_received_data``) only as the
-  consumer reads, so a slow reader holds at most its own stream window.
-  Data for a stream nobody reads any more is acknowledged at once, so it can
-  never starve the connection window.
+- Every DATA byte received is acknowledged exactly once, whatever becomes
+  of its stream, and always through :func:`acknowledge`. A byte is held by
+  exactly one owner until then: the stream's
+  :class:`~blocks.http.StreamBody` (given back as the consumer reads it, or
+  when the body fails or is discarded), a splice's pipe (given back as the
+  other side's window takes it, or when the splice closes), a parked retry,
+  or nobody (given back at once). So a slow reader holds at most its own
+  stream window, and a dead stream holds nothing:
+  :meth:`H2Driver.statistics` shows ``unacknowledged`` back at 0 once a
+  connection's streams are gone.
 - The connection window is opened wide at start (``connection_window``),
   so that streams do not compete for it.
 """
@@ -34,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import h2.config
 import h2.connection
 import h2.errors
@@ -251,6 +257,36 @@ def make_h2(
     return conn
 
 
+def acknowledge(conn: h2.connection.H2Connection, size: int, sid: int) -> None:
+    """Give ``size`` received DATA bytes of stream ``sid`` back to the peer.
+
+    The one way proxyblocks acknowledges what it received: the connection's
+    window always, the stream's too while the stream is open (h2 skips it
+    for a closed stream). The caller sees to it that the bytes go out
+    (``kick``, ``mark`` or :meth:`H2Driver.send_soon`).
+    """
+    try:
+        conn.acknowledge_received_data(size, sid)
+    except h2.exceptions.ProtocolError:
+        pass  # only for a stream id h2 never saw, which received DATA cannot name
+
+
+@attrs.frozen
+class H2ConnectionStatistics:
+    """One HTTP/2 connection's streams and inbound flow-control books.
+
+    ``inbound_window`` is what the peer may still send before it waits for
+    a WINDOW_UPDATE (h2 batches them, so it dips to half the window in
+    normal use). ``unacknowledged`` is what was received and not yet given
+    back: bytes held by bodies and splices. Once the connection has no
+    streams it is 0, or the connection leaks window.
+    """
+
+    streams: int
+    inbound_window: int
+    unacknowledged: int
+
+
 class H2Stream:
     """Per-stream state the drivers keep beside h2's own."""
 
@@ -420,6 +456,21 @@ class H2Driver:
             data = data[sent:]
         self._queue(data)
 
+    def send_soon(self) -> None:
+        """Write what the state machine queued: at the end of the reader's batch in one, else now."""
+        self.mark()
+        if not _dispatching:
+            flush_marked()
+
+    def statistics(self) -> H2ConnectionStatistics:
+        # h2 keeps the books; its window manager has no public reading of them.
+        window = self.h2._inbound_flow_control_window_manager
+        return H2ConnectionStatistics(
+            streams=len(self.streams),
+            inbound_window=window.current_window_size,
+            unacknowledged=window.max_window_size - window.current_window_size - window._bytes_processed,
+        )
+
     def start(self) -> None:
         """Queue the preface and our SETTINGS, and open the connection window."""
         self.h2.initiate_connection()
@@ -539,7 +590,7 @@ class H2Driver:
 
         def consumed(n: int) -> None:
             if not self.closed:
-                conn.acknowledge_received_data(n, sid)
+                acknowledge(conn, n, sid)
                 self.kick()
 
         def abandon() -> None:
@@ -563,12 +614,12 @@ class H2Driver:
             return
         body = st.body if st is not None else None
         if body is None or body._ended:
-            if size:
-                self.h2.acknowledge_received_data(size, ev.stream_id)
+            if size:  # nobody will read it
+                acknowledge(self.h2, size, ev.stream_id)
             return
         padding = size - len(data)
         if padding:
-            self.h2.acknowledge_received_data(padding, ev.stream_id)
+            acknowledge(self.h2, padding, ev.stream_id)
         body.feed(data)
 
     def body_refused(self, st: H2Stream, length: int, end: bool, size: int) -> bool:
@@ -586,7 +637,8 @@ class H2Driver:
     def on_reset(self, ev: h2.events.StreamReset) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None:
-            self.fail_stream(st, StreamReset(f"{self.peer} reset the stream ({ev.error_code!r})"))
+            error = StreamReset(f"{self.peer} reset the stream ({ev.error_code!r})", code=ev.error_code)
+            self.fail_stream(st, error)
 
     def on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
         self.wake_all_windows()

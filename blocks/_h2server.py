@@ -23,7 +23,7 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, flush_marked, make_h2
+from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, acknowledge, flush_marked, make_h2
 from blocks._validate import validate_request_head, validate_trailers
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
@@ -260,10 +260,7 @@ class H2ServerConnection(H2Driver):
     def _refuse_body(self, st: H2Stream, size: int, error: StreamReset) -> None:
         """Stop ``st``'s request body here: 413 or 400 downstream if no response started, else a reset."""
         if size:
-            try:
-                self.h2.acknowledge_received_data(size, st.id)
-            except h2.exceptions.ProtocolError:
-                pass
+            acknowledge(self.h2, size, st.id)
         if st.splice is not None:
             st.splice.refuse(error.status)
         elif st.body is not None and st.body.error is None:
@@ -449,8 +446,9 @@ class H2ServerConnection(H2Driver):
             log.exception("failed while sending a response")
             self.reset(st, _INTERNAL)
         finally:
-            # Every path, cancellation included: the stream ends on the wire
-            # and whatever the response holds is released exactly once.
+            # Every path, cancellation included: the stream ends on the wire,
+            # whatever the response holds is released exactly once, and so is
+            # every request body byte nobody read (the handler is done with it).
             if response is None:
                 if not st.closed:
                     self.reset(st, _CANCEL)
@@ -466,9 +464,11 @@ class H2ServerConnection(H2Driver):
                         self.finish_stream(st)
                     else:
                         self.reset(st, _NO_ERROR)
-                elif not response.body.ended:
+                if not response.body.ended:
                     await _abandon(response.body)
                 response.closed()
+            if st.body is not None:
+                st.body.discard()
 
     async def _send_response(self, st: H2Stream, response: Response) -> None:
         headers = [(b":status", _STATUS[response.status])]

@@ -17,10 +17,18 @@ Invariants:
   ``_Pipe.pending`` and goes when that window opens. So each splice holds at
   most one stream window of data per direction, and a slow reader throttles
   only its own sender.
+- Every byte received is acknowledged exactly once (see :mod:`blocks._h2`):
+  as it is relayed, or, when the splice closes with bytes still pending
+  (either side failed, or the exchange was refused), by ``_close``, which
+  every way of ending goes through.
 - A splice ends exactly once (``on_close`` runs once): when both directions
   delivered their end, or when either side fails. A failure on one side
   resets the other; an upstream failure before the response head becomes an
   error response (502, or 504 for a timeout) instead.
+- An upstream that ends its response and then resets with ``NO_ERROR``
+  (RFC 9113 8.1: it answered early and wants no more of the request) has
+  not failed: what it sent is delivered in full, then the downstream
+  stream ends and is reset with ``NO_ERROR`` in turn if its request had not.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import h2.errors
 import h2.exceptions
 import trio
 
-from blocks._h2 import BACKLOG_HIGH
+from blocks._h2 import BACKLOG_HIGH, acknowledge
 from blocks.errors import BlocksError
 from blocks.http import BytesBody, Headers, error_response
 
@@ -99,7 +107,7 @@ class _Pipe:
             self.tap(data, end, None)
         padding = size - len(data)
         if padding:
-            self.src.h2.acknowledge_received_data(padding, self.src_st.id)
+            acknowledge(self.src.h2, padding, self.src_st.id)
         if end:
             self.ended = True
         if data:
@@ -112,41 +120,50 @@ class _Pipe:
             self._finish()
 
     def _push(self, data: bytes) -> bool:
-        """Send as much of ``data`` as the windows allow; keep the rest. True if all went."""
+        """Send as much of ``data`` as the windows allow; keep the rest. True if all went.
+
+        If h2 refuses (the destination stream is gone), what was not sent
+        goes back to ``pending`` before the error goes on: the splice's close
+        gives it back (every byte received is acknowledged once).
+        """
         dst = self.dst.h2
         sid = self.dst_st.id
         src = self.src.h2
         src_sid = self.src_st.id
         progressed = False
-        while data:
-            if self.dst.backlog + self.dst.pushed >= BACKLOG_HIGH:
-                # Counting what this batch already gave h2: a writer that drains
-                # wakes every waiting splice at once, and together they must not
-                # overshoot.
-                self.dst.backlogged = True  # its writer wakes the windows when it drains
-                room = 0
-            else:
-                room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
-            if room <= 0:
-                self.pending.appendleft(data)
-                if progressed or self.dst_st.stalled_since is None:
-                    self.dst_st.stalled_since = trio.current_time()  # stalled since the last progress
-                return False
-            if len(data) <= room:
-                # The common case: the whole chunk, with END_STREAM when it is the last.
-                last = self.ended and not self.pending and self.trailers is None
-                dst.send_data(sid, data, end_stream=last)
-                self.dst.pushed += len(data)
-                _ack(src, len(data), src_sid)
-                if last:
-                    self.done = True
-                    self.dst_st.local_ended = True
-                return True
-            dst.send_data(sid, data[:room])
-            self.dst.pushed += room
-            _ack(src, room, src_sid)
-            data = data[room:]
-            progressed = True
+        try:
+            while data:
+                if self.dst.backlog + self.dst.pushed >= BACKLOG_HIGH:
+                    # Counting what this batch already gave h2: a writer that drains
+                    # wakes every waiting splice at once, and together they must not
+                    # overshoot.
+                    self.dst.backlogged = True  # its writer wakes the windows when it drains
+                    room = 0
+                else:
+                    room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
+                if room <= 0:
+                    self.pending.appendleft(data)
+                    if progressed or self.dst_st.stalled_since is None:
+                        self.dst_st.stalled_since = trio.current_time()  # stalled since the last progress
+                    return False
+                if len(data) <= room:
+                    # The common case: the whole chunk, with END_STREAM when it is the last.
+                    last = self.ended and not self.pending and self.trailers is None
+                    dst.send_data(sid, data, end_stream=last)
+                    self.dst.pushed += len(data)
+                    acknowledge(src, len(data), src_sid)
+                    if last:
+                        self.done = True
+                        self.dst_st.local_ended = True
+                    return True
+                dst.send_data(sid, data[:room])
+                self.dst.pushed += room
+                acknowledge(src, room, src_sid)
+                data = data[room:]
+                progressed = True
+        except h2.exceptions.ProtocolError:
+            self.pending.appendleft(data)
+            raise
         return True
 
     def flush(self) -> None:
@@ -172,6 +189,17 @@ class _Pipe:
         if not self.pending and not self.done:
             self._finish()
 
+    def release(self) -> None:
+        """Give back what is pending: it will never be relayed."""
+        pending = self.pending
+        if pending:
+            size = sum(map(len, pending))
+            pending.clear()
+            src = self.src
+            if not src.closed:
+                acknowledge(src.h2, size, self.src_st.id)
+                src.send_soon()
+
     def _finish(self) -> None:
         self.done = True
         self.dst_st.local_ended = True
@@ -181,17 +209,21 @@ class _Pipe:
             self.dst.h2.end_stream(self.dst_st.id)
 
 
-def _ack(conn: h2.connection.H2Connection, size: int, sid: int) -> None:
-    try:
-        conn.acknowledge_received_data(size, sid)
-    except h2.exceptions.ProtocolError:
-        pass  # the source stream is already gone; nothing to give back
-
-
 class Splice:
     """A downstream (server) stream joined to an upstream (client) stream."""
 
-    __slots__ = ("closed", "down", "down_st", "head_filter", "head_sent", "on_close", "request", "response", "up")
+    __slots__ = (
+        "closed",
+        "cut",
+        "down",
+        "down_st",
+        "head_filter",
+        "head_sent",
+        "on_close",
+        "request",
+        "response",
+        "up",
+    )
 
     def __init__(
         self,
@@ -213,6 +245,7 @@ class Splice:
         self.on_close = on_close
         self.head_sent = False
         self.closed = False
+        self.cut = False  # the upstream refused the rest of the request: reset downstream with NO_ERROR at the end
         if request_ended:
             self.request.ended = self.request.done = True
             up_st.local_ended = True
@@ -224,7 +257,7 @@ class Splice:
     def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None:
         pipe = self.request if st is self.down_st else self.response
         if self.closed or pipe.done:
-            _ack(driver.h2, size, st.id)
+            acknowledge(driver.h2, size, st.id)
             return
         try:
             pipe.feed(data, size, end)
@@ -255,7 +288,10 @@ class Splice:
         try:
             pipe.flush()
         except h2.exceptions.ProtocolError:
-            self._abort()
+            # h2 read the whole batch before we see its events: it has closed
+            # ``st`` for a RST_STREAM whose event comes later in this batch, and
+            # that event decides (an early answer is no failure). What did not
+            # go stays pending until then.
             return
         self._kick()
         self._maybe_complete()
@@ -286,6 +322,9 @@ class Splice:
         """One side's stream died (reset by its peer, timed out, connection lost)."""
         if self.closed:
             return
+        if driver is self.up and self.response.ended and getattr(error, "code", None) == _NO_ERROR:
+            self._answered_early()
+            return
         self.closed = True
         if driver is self.up:
             self._upstream_failed(error)
@@ -306,6 +345,21 @@ class Splice:
         self._close()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _answered_early(self) -> None:
+        """The upstream sent its whole response, then RST_STREAM(NO_ERROR) (RFC 9113 8.1).
+
+        Its stream is gone, but what it sent is ours to deliver: the response
+        pipe goes on as the downstream window allows. The request ends here;
+        the downstream stream is reset with NO_ERROR after the response's end
+        if its request had not ended.
+        """
+        request = self.request
+        request.release()
+        if not request.done:
+            request.done = True
+            self.cut = not request.ended
+        self._maybe_complete()
 
     def _upstream_failed(self, error: BaseException) -> None:
         down, st = self.down, self.down_st
@@ -362,11 +416,16 @@ class Splice:
             return
         # Both ends delivered; the upstream's own end arrived (response done), ours was sent.
         self.closed = True
-        self.down.finish_stream(self.down_st)
+        if self.cut:
+            self.down.reset(self.down_st, _NO_ERROR)  # after the END_STREAM it queued: RFC 9113 8.1
+        else:
+            self.down.finish_stream(self.down_st)
         self.up.finish_stream(self.response.src_st)
         self._close()
 
     def _close(self) -> None:
+        self.request.release()
+        self.response.release()
         callback, self.on_close = self.on_close, None
         if callback is not None:
             callback()

@@ -81,6 +81,11 @@ class StreamReset(BlocksError):
 
     status = 502
 
+    def __init__(self, message: str = "", *, status: int | None = None, code: int | None = None) -> None:
+        super().__init__(message, status=status)
+        self.code = code
+        """The HTTP/2 error code of the peer's RST_STREAM, when that is what ended the stream."""
+
 
 class PayloadTooLarge(StreamReset):
     """The request body is over the listener's ``max_request_body``: 413.

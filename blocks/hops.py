@@ -768,6 +768,7 @@ async def serve_edge(
             ssl_context=ssl_context,
             config=listener,
             relay=edge.relay,
+            upstreams=upstreams,
             task_status=task_status,
         )
 
@@ -860,7 +861,9 @@ async def serve_proxy(
             sessions=broker,
             mirror=tee,
         )
-        serve = functools.partial(serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay)
+        serve = functools.partial(
+            serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay, upstreams=upstreams
+        )
         server = await nursery.start(serve)
         task_status.started((server, proxy))
 
@@ -885,7 +888,9 @@ async def serve_worker(
         worker = Worker(replicas, upstreams, name=name, sessions=sessions)
         if worker.sessions is not None:
             nursery.start_soon(_expire_sessions, worker.sessions)
-        serve = functools.partial(serve_http, worker.handle, host=host, port=port, config=listener, relay=worker.relay)
+        serve = functools.partial(
+            serve_http, worker.handle, host=host, port=port, config=listener, relay=worker.relay, upstreams=upstreams
+        )
         server = await nursery.start(serve)
         task_status.started((server, worker))
 

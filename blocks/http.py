@@ -148,6 +148,13 @@ class StreamBody(Body):
     sits in the buffer is bounded by the window the driver advertised.
     ``on_abandon()`` is called once if the consumer closes the body before
     its end.
+
+    Invariant: every byte fed goes to ``on_consumed`` exactly once, whether
+    the consumer reads it or it is dropped: by :meth:`fail` (a failed body
+    delivers nothing more), by :meth:`aclose`, or by :meth:`discard` (its
+    owner knows nobody will read it). A body that ended cleanly keeps its
+    bytes for the consumer, so whoever owns it reads it to the end, closes
+    it, or discards it.
     """
 
     __slots__ = ("_chunks", "_ended", "_error", "_signal", "on_abandon", "on_consumed")
@@ -170,9 +177,14 @@ class StreamBody(Body):
     # -- producer side -------------------------------------------------------
 
     def feed(self, data: bytes) -> None:
-        if data and not self._ended:
-            self._chunks.append(data)
-            self._signal.set()
+        if not data:
+            return
+        if self._ended:
+            if self.on_consumed is not None:
+                self.on_consumed(len(data))  # nobody will read it
+            return
+        self._chunks.append(data)
+        self._signal.set()
 
     def end(self, trailers: Headers | None = None) -> None:
         if not self._ended:
@@ -181,10 +193,33 @@ class StreamBody(Body):
             self._signal.set()
 
     def fail(self, error: BaseException) -> None:
+        """The producer broke: the consumer gets ``error`` (as a StreamReset), and nothing buffered."""
         if not self._ended:
             self._ended = True
             self._error = error
             self._signal.set()
+            self._drop()
+
+    def discard(self) -> None:
+        """Nobody will read this body any more: give back what it buffers.
+
+        The owner's last word (a stream whose handler is done). Reading it
+        afterwards fails, unless it had ended and been read to the end.
+        """
+        if self._chunks or not self._ended:
+            if self._error is None:
+                self._error = StreamReset("body discarded")
+            self._ended = True
+            self._signal.set()
+            self._drop()
+
+    def _drop(self) -> None:
+        chunks = self._chunks
+        if chunks:
+            size = sum(map(len, chunks))
+            chunks.clear()
+            if self.on_consumed is not None:
+                self.on_consumed(size)
 
     # -- consumer side -------------------------------------------------------
 
@@ -220,9 +255,9 @@ class StreamBody(Body):
     async def aclose(self) -> None:
         if not self._ended:
             self._ended = True
-            self._chunks.clear()
             if self.on_abandon is not None:
-                self.on_abandon()
+                self.on_abandon()  # first: what is given back below then credits the connection only
+        self.discard()
 
 
 @attrs.define(eq=False)

@@ -25,15 +25,18 @@ from __future__ import annotations
 import functools
 import logging
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from blocks._h1server import serve_h1
-from blocks._h2 import Relay
+from blocks._h2 import H2ConnectionStatistics, Relay
 from blocks._h2server import H2ServerConnection
 from blocks.http import Handler
+
+if TYPE_CHECKING:
+    from blocks.multiplexer import Upstreams
 
 log = logging.getLogger("blocks.listener")
 
@@ -95,9 +98,12 @@ class ListenerConfig:
 
 @attrs.frozen
 class ServerStatistics:
+    """A listener's connections (h1 and h2), how many it accepted, and each h2 connection's books."""
+
     connections: int
     accepted: int
     draining: bool
+    h2: tuple[H2ConnectionStatistics, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -108,6 +114,9 @@ class HTTPServer:
     config: ListenerConfig
     ssl_context: ssl.SSLContext | None
     relay: Relay | None = None
+    upstreams: Upstreams | None = None
+    """The pools of the hop serving on this listener (set by ``serve_edge``,
+    ``serve_proxy`` and ``serve_worker``), for their statistics."""
     port: int = 0
     host: str = ""
     draining: bool = False
@@ -126,7 +135,10 @@ class HTTPServer:
         return f"{self.scheme}://{self.host}:{self.port}"
 
     def statistics(self) -> ServerStatistics:
-        return ServerStatistics(connections=len(self._connections), accepted=self._accepted, draining=self.draining)
+        h2 = tuple(c.proto.statistics() for c in self._connections if isinstance(c.proto, H2ServerConnection))
+        return ServerStatistics(
+            connections=len(self._connections), accepted=self._accepted, draining=self.draining, h2=h2
+        )
 
     def drain(self) -> None:
         """Stop accepting and ask every connection to finish what it has."""
@@ -272,6 +284,7 @@ async def serve_http(
     ssl_context: ssl.SSLContext | None = None,
     config: ListenerConfig | None = None,
     relay: Relay | None = None,
+    upstreams: Upstreams | None = None,
     task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` until cancelled or drained.
@@ -284,11 +297,12 @@ async def serve_http(
     ``relay`` is a hop's optional fast path for HTTP/2 requests (see
     :mod:`blocks._splice`): tried first, synchronously, for every h2 request
     with a valid head; when it declines, ``handler`` serves the request.
+    ``upstreams``: the hop's pools, kept on the server for their statistics.
     """
     config = config or ListenerConfig()
     if ssl_context is not None:
         ssl_context.set_alpn_protocols(["h2", "http/1.1"])
     listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
     sockname = listeners[0].socket.getsockname()
-    server = HTTPServer(handler, config, ssl_context, relay, port=sockname[1], host=host)
+    server = HTTPServer(handler, config, ssl_context, relay, upstreams, port=sockname[1], host=host)
     await server._serve(listeners, task_status)

@@ -57,8 +57,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from blocks._h2 import H2Driver, H2Stream
-from blocks._splice import _ack
+from blocks._h2 import H2Driver, H2Stream, acknowledge
 from blocks._sync import one_error
 from blocks.errors import BlocksError, UpstreamTimeout
 from blocks.http import Headers, Request, StreamBody
@@ -622,7 +621,7 @@ class _Sink:
 
     def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None:
         if size:
-            _ack(driver.h2, size, st.id)  # read and dropped: the window goes back with the batch
+            acknowledge(driver.h2, size, st.id)  # read and dropped: the window goes back with the batch
         if self.closed:
             return
         if data:

@@ -6,6 +6,7 @@ import logging
 
 import attrs
 
+from blocks._h2 import H2ConnectionStatistics
 from blocks.routing import Address
 
 log = logging.getLogger("blocks.multiplexer")
@@ -44,3 +45,5 @@ class PoolStatistics:
     connections: int
     active_streams: int
     retries: int = 0
+    h2: tuple[H2ConnectionStatistics, ...] = ()
+    """Each h2 connection's streams and inbound window (see :class:`~blocks.H2ConnectionStatistics`)."""

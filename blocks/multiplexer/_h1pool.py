@@ -260,8 +260,13 @@ class _H1Pool:
             while chunk := await body.receive():
                 await conn.stream.send_all(h.send(h11.Data(data=chunk)))
             await conn.stream.send_all(h.send(h11.EndOfMessage(headers=body.trailers or [])))
-        except (StreamReset, trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
-            # Either side gave up mid-upload: this connection cannot be reused.
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The upstream stopped reading: it may have answered early (RFC 9112
+            # 9.6), and its answer is still ours to read to the end. The
+            # connection is not reused: the request never ended on it.
+            pass
+        except (StreamReset, h11.LocalProtocolError):
+            # The client's upload broke: the upstream can never get a whole request.
             await trio.aclose_forcefully(conn.stream)
         finally:
             conn.pumping = False

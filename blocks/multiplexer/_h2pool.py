@@ -12,7 +12,7 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, flush_marked, in_batch, make_h2
+from blocks._h2 import H2Driver, H2Stream, acknowledge, flush_marked, in_batch, make_h2
 from blocks._splice import HeadFilter, Sink, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
@@ -49,13 +49,6 @@ _OUTLIVE_GOAWAY = {
     **h2.connection.H2ConnectionStateMachine._transitions,
     (_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _OPEN),
 }
-
-
-def _give_back(conn: h2.connection.H2Connection, size: int, sid: int) -> None:
-    try:
-        conn.acknowledge_received_data(size, sid)
-    except h2.exceptions.ProtocolError:
-        pass  # the stream is gone; h2 has still returned the connection window
 
 
 class H2ClientConnection(H2Driver):
@@ -438,7 +431,7 @@ class _Replay:
             sid = self.splice.down_st.id
             for _, size, _, _ in events:
                 if size:
-                    _give_back(down.h2, size, sid)
+                    acknowledge(down.h2, size, sid)
             down.kick()
 
     def resume(self, conn: H2ClientConnection) -> H2Stream:
@@ -500,8 +493,9 @@ class _H2Pool:
         self._freed = trio.Event()
 
     def statistics(self) -> PoolStatistics:
-        streams = sum(len(c.streams) for c in self.connections)
-        return PoolStatistics(self.address, "h2", len(self.connections), streams, self.retries)
+        connections = tuple(c.statistics() for c in self.connections)
+        streams = sum(c.streams for c in connections)
+        return PoolStatistics(self.address, "h2", len(connections), streams, self.retries, connections)
 
     def slot_freed(self) -> None:
         self._freed.set()

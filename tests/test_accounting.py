@@ -1,0 +1,197 @@
+"""Every byte accounted, through the real chain: aborted streams give back their window.
+
+The invariant (docs/design-notes.md): every DATA byte received on any h2
+connection is acknowledged exactly once, whatever becomes of its stream.
+A byte that is not leaks connection window for good; enough of them and a
+pooled connection, shared by every tenant, stops carrying any body.
+
+These tests abort exchanges the way real clients do (a TCP reset in the
+middle of an upload or a download, an h2 RST_STREAM, a WebSocket dropped
+mid-echo), then read every h2 connection's books along the chain (client
+-> edge, edge -> proxy, proxy -> worker, worker -> replica): once the
+streams are gone each connection must hold no unacknowledged byte, and a
+1 MiB request must still get its whole body.
+
+Loopback only, port 0, every wait bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import struct
+from collections.abc import Iterator
+
+import h2.errors
+import h2.events
+import httpx
+import pytest
+import trio
+import trio_websocket
+
+from blocks import H2ConnectionStatistics, HTTPServer
+from recipes import chain as chain_recipe
+from tests.support import HOST, RawH2Client, wait_for
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+UPLOAD = 600 * 1024
+ONE_MIB = 1024 * 1024
+
+
+def _servers(chain: chain_recipe.Chain) -> dict[str, HTTPServer]:
+    servers = {"edge": chain.edge, "proxy": chain.proxy_server, "worker": chain.worker_server}
+    servers.update((f"replica-{i}", server) for i, server in enumerate(chain.replicas))
+    return servers
+
+
+def books(chain: chain_recipe.Chain) -> Iterator[tuple[str, H2ConnectionStatistics]]:
+    """Every h2 connection of the chain, on both ends of each hop, named for messages."""
+    servers = _servers(chain)
+    names = {server.port: name for name, server in servers.items()}
+    for name, server in servers.items():
+        for conn in server.statistics().h2:
+            yield f"{name}'s listener", conn
+        if server.upstreams is not None:
+            for pool in server.upstreams.statistics():
+                for conn in pool.h2:
+                    yield f"{name} -> {names.get(pool.address[1], pool.address)}", conn
+
+
+def balanced(chain: chain_recipe.Chain) -> bool:
+    return all(conn.streams == 0 and conn.unacknowledged == 0 for _, conn in books(chain))
+
+
+def ledger(chain: chain_recipe.Chain) -> str:
+    return "; ".join(f"{name}: {conn}" for name, conn in books(chain) if conn.streams or conn.unacknowledged)
+
+
+async def wait_balanced(chain: chain_recipe.Chain) -> None:
+    await wait_for(lambda: balanced(chain), lambda: f"connections still hold bytes: {ledger(chain)}", timeout=20)
+
+
+async def reset_close(stream: trio.SocketStream) -> None:
+    """Close with a TCP reset, as a client that crashed or was killed."""
+    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await stream.aclose()
+
+
+async def read_at_least(stream: trio.SocketStream, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"the connection closed after {len(data)} bytes: {data[:200]!r}"
+        data += chunk
+    return data
+
+
+async def h1_aborted_upload(port: int) -> None:
+    """POST 600 KiB to /echo, read 1 KB of the echo, reset the connection."""
+    stream = await trio.open_tcp_stream(HOST, port)
+    head = b"POST /echo HTTP/1.1\r\nhost: demo\r\ncontent-length: %d\r\n\r\n" % UPLOAD
+
+    async def upload() -> None:
+        await stream.send_all(head)
+        for _ in range(UPLOAD // 16384):
+            await stream.send_all(b"u" * 16384)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(upload)
+        await read_at_least(stream, 1024)
+        nursery.cancel_scope.cancel()
+    await reset_close(stream)
+
+
+async def h1_aborted_download(port: int) -> None:
+    """GET a long token stream, read 1 KB of it, reset the connection."""
+    stream = await trio.open_tcp_stream(HOST, port)
+    await stream.send_all(b"GET /stream?n=100000&ms=0 HTTP/1.1\r\nhost: demo\r\n\r\n")
+    await read_at_least(stream, 1024)
+    await reset_close(stream)
+
+
+async def h2_aborts(port: int, rounds: int) -> None:
+    """On one h2 connection: uploads and downloads cancelled with RST_STREAM(CANCEL) after 1 KB of answer."""
+    async with RawH2Client.open(port) as client:
+        for i in range(rounds):
+            if i % 2:
+                sid = await client.start(client.head(b"GET", b"/stream?n=100000&ms=0"))
+            else:
+                sid = await client.start(client.head(b"POST", b"/echo"), end_stream=False)
+                for _ in range(12):  # 192 KiB: within the edge's 256 KiB stream window
+                    await client.send(sid, b"u" * 16384)
+            received = 0
+            while received < 1024:
+                event = await client.next_event(sid)
+                assert not isinstance(event, h2.events.StreamReset), event
+                if isinstance(event, h2.events.DataReceived):
+                    received += len(event.data)
+            client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+            await client.flush()
+
+
+async def whole_echo(url: str, *, http2: bool) -> None:
+    body = bytes(range(256)) * (ONE_MIB // 256)
+    async with httpx.AsyncClient(http2=http2, timeout=20, trust_env=False) as client:
+        response = await client.post(f"{url}/echo", content=body)
+    assert response.status_code == 200
+    assert len(response.content) == len(body)
+    assert response.content == body
+
+
+@pytest.fixture(params=["h2", "h1"], ids=["h2-replicas", "h1-replicas"])
+async def chain(request: pytest.FixtureRequest, nursery: trio.Nursery) -> chain_recipe.Chain:
+    running: chain_recipe.Chain = await nursery.start(
+        functools.partial(chain_recipe.main, replicas=2, replica_protocol=request.param, announce=False)
+    )
+    return running
+
+
+async def test_aborted_h1_uploads_give_back_their_window(chain: chain_recipe.Chain) -> None:
+    with trio.fail_after(120):
+        for _ in range(200):
+            await h1_aborted_upload(chain.edge.port)
+        await wait_balanced(chain)
+        await whole_echo(chain.url, http2=False)
+        await whole_echo(chain.url, http2=True)
+        await wait_balanced(chain)
+
+
+async def test_aborted_h1_downloads_give_back_their_window(chain: chain_recipe.Chain) -> None:
+    with trio.fail_after(120):
+        for _ in range(200):
+            await h1_aborted_download(chain.edge.port)
+        await wait_balanced(chain)
+        await whole_echo(chain.url, http2=True)
+        await wait_balanced(chain)
+
+
+async def test_h2_streams_cancelled_mid_exchange_give_back_their_window(chain: chain_recipe.Chain) -> None:
+    with trio.fail_after(120):
+        for _ in range(4):
+            await h2_aborts(chain.edge.port, 50)
+        await wait_balanced(chain)
+        await whole_echo(chain.url, http2=True)
+        await wait_balanced(chain)
+
+
+async def ws_aborted_echo(port: int, message: str) -> None:
+    """Send three big messages, read one echo, reset the connection."""
+    stream = await trio.open_tcp_stream(HOST, port)
+    async with trio.open_nursery() as nursery:
+        ws = await trio_websocket.wrap_client_stream(nursery, stream, f"{HOST}:{port}", "/echo")
+        for _ in range(3):
+            await ws.send_message(message)
+        assert await ws.get_message() == message
+        await reset_close(stream)
+        nursery.cancel_scope.cancel()
+
+
+async def test_websockets_dropped_mid_echo_give_back_their_window(chain: chain_recipe.Chain) -> None:
+    message = "w" * (200 * 1024)
+    with trio.fail_after(120):
+        for _ in range(100):
+            await ws_aborted_echo(chain.edge.port, message)
+        await wait_balanced(chain)
+        await whole_echo(chain.url, http2=True)
+        await wait_balanced(chain)
