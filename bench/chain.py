@@ -41,6 +41,8 @@ Run it from the repository root (needs h2load: apt-get install nghttp2-client):
     python bench/chain.py            # N=20000, M=2000, 5 rounds
     python bench/chain.py --quick    # N=3000, M=1000, 3 rounds
     python bench/chain.py -n 50000 -m 5000
+    git worktree add /tmp/base HEAD~1 && python bench/chain.py --baseline /tmp/base
+                                     # adds the 1 hop and the chain of that checkout, side by side
 
 ``python bench/chain.py --serve ROLE PORT [UPSTREAM_PORT...]`` is the helper
 mode the benchmark uses to start one proxyblocks hop per process.
@@ -72,8 +74,9 @@ P50_TARGET = 0.8  # proxyblocks chain c1 p50 / reference 3-hop chain c1 p50, at 
 # -- processes -----------------------------------------------------------------------------
 
 
-def self_argv(role: str, port: int, *upstream: int) -> list[str]:
-    return [str(Path(__file__).resolve()), "--serve", role, str(port), *map(str, upstream)]
+def self_argv(role: str, port: int, *upstream: int, root: Path = ROOT) -> list[str]:
+    """The helper mode of this script, or of the same script in the checkout ``root``."""
+    return [str(root / "bench" / "chain.py"), "--serve", role, str(port), *map(str, upstream)]
 
 
 def reference_argv(listen: int, upstream: int, novalid: bool) -> list[str]:
@@ -87,13 +90,14 @@ Hop = Callable[[int, int], tuple[str, list[str], Path]]
 """(listen port, upstream port) -> (process name, argv after the interpreter, cwd)."""
 
 
-def targets(replica_port: int) -> list[tuple[str, list[Hop]]]:
+def targets(replica_port: int, baseline: Path | None = None) -> list[tuple[str, list[Hop]]]:
     """Each target as its hops, innermost first (a reference hop connects upstream as it starts)."""
 
-    def pb(role: str) -> Hop:
+    def pb(role: str, root: Path = ROOT) -> Hop:
         def hop(port: int, upstream: int) -> tuple[str, list[str], Path]:
             upstreams = [upstream, replica_port] if role == "proxy" else [upstream]
-            return f"pb {role}", self_argv(role, port, *upstreams), ROOT
+            name = f"pb {role}" if root == ROOT else f"baseline {role}"
+            return name, self_argv(role, port, *upstreams, root=root), root
 
         return hop
 
@@ -106,6 +110,8 @@ def targets(replica_port: int) -> list[tuple[str, list[Hop]]]:
         ("proxyblocks chain", [pb("chain")]),
         ("proxyblocks chain, a process per hop", [pb("worker"), pb("proxy"), pb("edge")]),
     ]
+    if baseline is not None:
+        found += [("baseline 1 hop", [pb("worker", baseline)]), ("baseline chain", [pb("chain", baseline)])]
     for novalid in (False, True):
         suffix = " --novalid" if novalid else ""
         found.append((f"reference hop{suffix}", [ref(f"ref hop{suffix}", novalid)]))
@@ -115,7 +121,7 @@ def targets(replica_port: int) -> list[tuple[str, list[Hop]]]:
     return found
 
 
-def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
+def run_benchmark(n: int, m: int, rounds: int, verbose: bool, baseline: Path | None = None) -> int:
     if shutil.which("h2load") is None:
         print("h2load not found: install it with `apt-get install nghttp2-client`", file=sys.stderr)
         return 2
@@ -138,7 +144,7 @@ def run_benchmark(n: int, m: int, rounds: int, verbose: bool) -> int:
         replica_port = free_port()
         replica = procs.start("replica", self_argv("replica", replica_port), replica_port)
         ready: dict[str, tuple[int, list[Process]]] = {}
-        for label, chain in targets(replica_port):
+        for label, chain in targets(replica_port, baseline):
             hops: list[Process] = []
             port = replica_port
             try:
@@ -210,6 +216,11 @@ def report(results: dict[str, Result]) -> int:
     novalid_p50 = ratio(pb_chain.p50_us, results["reference 3-hop chain --novalid"].p50_us)
     print(f"  against the reference with --novalid: 1 hop rps ratio {novalid_rps:.2f}, chain c1 p50 {novalid_p50:.2f}")
 
+    if "baseline chain" in results:
+        base_rps = ratio(pb_hop.rps, results["baseline 1 hop"].rps)
+        base_p50 = ratio(pb_chain.p50_us, results["baseline chain"].p50_us)
+        print(f"  this tree against the baseline: 1 hop rps ratio {base_rps:.2f}, chain c1 p50 ratio {base_p50:.2f}")
+
     failing_targets = sorted({target for target, _ in problems})
     ok = rps_ratio >= RPS_TARGET and p50_ratio <= P50_TARGET and not failing_targets
     figures = (
@@ -234,13 +245,22 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="rps run with -n 3000, latency with -m 1000, 3 rounds")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; figures are medians (default 5)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print h2load's output")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="also measure the 1 hop and the chain of another checkout (git worktree add DIR REV), side by side",
+    )
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "bench" / "chain.py").exists():
+        parser.error(f"--baseline {args.baseline}: no bench/chain.py there")
     # SIGTERM unwinds like Ctrl-C, so the finally block still stops every server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        baseline = args.baseline.resolve() if args.baseline is not None else None
         if args.quick:
-            return run_benchmark(3000, 1000, 3, args.verbose)
-        return run_benchmark(args.n, args.m, max(1, args.rounds), args.verbose)
+            return run_benchmark(3000, 1000, 3, args.verbose, baseline)
+        return run_benchmark(args.n, args.m, max(1, args.rounds), args.verbose, baseline)
     except KeyboardInterrupt:
         print("interrupted; servers stopped", file=sys.stderr)
         return 130

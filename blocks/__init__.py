@@ -5,6 +5,7 @@ from blocks.demo import DemoApp, serve_demo_replica, websocket_echo
 from blocks.errors import (
     BadRequest,
     BlocksError,
+    HopFailed,
     NoRoute,
     PayloadTooLarge,
     StreamReset,
@@ -177,6 +178,7 @@ __all__ = [
     # errors
     "BadRequest",
     "BlocksError",
+    "HopFailed",
     "NoRoute",
     "PayloadTooLarge",
     "StreamReset",

@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -410,7 +411,11 @@ class H2Driver:
             self.mark_closed()
 
     def dispatch(self, events: list[h2.events.Event]) -> None:
-        """Run each event's handler (``self.handlers``), then flush what the batch touched."""
+        """Run each event's handler (``self.handlers``), then flush what the batch touched.
+
+        A handler that raises costs its event's stream only (see
+        :meth:`event_failed`): the rest of the batch goes on.
+        """
         global _dispatching
         handlers = self.handlers
         _dispatching = True
@@ -418,13 +423,37 @@ class H2Driver:
             for ev in events:
                 handler = handlers.get(type(ev))
                 if handler is not None:
-                    handler(ev)
+                    try:
+                        handler(ev)
+                    except Exception:
+                        self.event_failed(ev)
                     if self.closed:
                         break  # the rest of the batch is moot (and may be a flood)
         finally:
             _dispatching = False
             self.mark()
             flush_marked()
+
+    def event_failed(self, ev: h2.events.Event) -> None:
+        """A handler raised (a bug, ours or in code a hop runs for a user): that stream alone is reset.
+
+        Logged once with the traceback. A stream's event resets that stream
+        with INTERNAL_ERROR (and whatever it was spliced to, as any reset
+        does); an event of the whole connection closes the connection, whose
+        state can no longer be trusted.
+        """
+        sid = getattr(ev, "stream_id", 0) or 0
+        log.exception("%s failed on %s", type(self).__name__, type(ev).__name__)
+        st = self.streams.get(sid) if sid else None
+        if st is not None:
+            self.reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        elif sid:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.reset_stream(sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        else:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.close_connection(h2.errors.ErrorCodes.INTERNAL_ERROR)
+            self.mark_closed()
 
     def mark(self) -> None:
         """From a reader: flush this connection when the reader's batch is done."""

@@ -28,6 +28,16 @@ class BlocksError(Exception):
             self.status = status
 
 
+class HopFailed(BlocksError):
+    """Code that a hop runs for one request (a policy, a hook, a feature) raised: 500.
+
+    The exception itself was logged, with its traceback, where it was
+    caught; only that request fails.
+    """
+
+    status = 500
+
+
 class BadRequest(BlocksError):
     """The request is malformed: 400. Raised at the edge, before any upstream is touched."""
 

@@ -40,7 +40,7 @@ from blocks._h2 import H2Driver, H2Stream
 from blocks._splice import HeadFilter
 from blocks._tap import TappedBody, Tee, tap_splice
 from blocks._upgrade import KEY_FIELDS
-from blocks.errors import BlocksError, NoRoute, StreamReset, Unauthorized
+from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset, Unauthorized
 from blocks.fair_queue import Grant, SchedulerConfig
 from blocks.http import HOP_BY_HOP, BytesBody, Headers, Request, Response
 from blocks.listener import HTTPServer, ListenerConfig, serve_http
@@ -208,22 +208,29 @@ class Hop:
         return forward
 
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        """The listener's fast path (see :func:`blocks.serve_http`): True if spliced."""
+        """The listener's fast path (see :func:`blocks.serve_http`): True if spliced.
+
+        It runs in the connection's reader, so whatever it calls that a user
+        wrote (``screen``, the tenant key, ``decide`` and the policy behind
+        it) must cost only this request when it fails: an exception that is
+        not a :class:`~blocks.errors.BlocksError` is logged once, with its
+        traceback, and the request answered 500 by the handler path.
+        """
         try:
             self.screen(request)
-        except BlocksError as exc:
-            request.decision = exc
-            return False
-        grant = None
-        if self.scheduler is not None:
-            grant = self.scheduler.try_acquire(self.tenant_key(request))
-            if grant is None:
-                request.decision = _SCREENED
-                return False  # not its turn: the handler waits in the scheduler's queue
-        try:
+            grant = None
+            if self.scheduler is not None:
+                grant = self.scheduler.try_acquire(self.tenant_key(request))
+                if grant is None:
+                    request.decision = _SCREENED
+                    return False  # not its turn: the handler waits in the scheduler's queue
             forward = self._admitted(request, grant)
         except BlocksError as exc:
             request.decision = exc
+            return False
+        except Exception:
+            log.exception("%s failed deciding %r %r", self.name, request.method, request.path)
+            request.decision = HopFailed(f"{self.name} failed deciding the request")
             return False
         if forward.protocol == "h2" and self.upstreams.splice(
             forward.address,

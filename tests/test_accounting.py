@@ -28,6 +28,7 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from wsproto.frame_protocol import FrameProtocol
 
 from blocks import H2ConnectionStatistics, HTTPServer
 from recipes import chain as chain_recipe
@@ -110,7 +111,19 @@ async def h1_aborted_download(port: int) -> None:
     await reset_close(stream)
 
 
-async def h2_aborts(port: int, rounds: int) -> None:
+async def read_then_cancel(client: RawH2Client, sid: int) -> None:
+    """Read 1 KB of the answer on ``sid``, then RST_STREAM(CANCEL) it."""
+    received = 0
+    while received < 1024:
+        event = await client.next_event(sid)
+        assert not isinstance(event, h2.events.StreamReset), event
+        if isinstance(event, h2.events.DataReceived):
+            received += len(event.data)
+    client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    await client.flush()
+
+
+async def h2_aborts(port: int, rounds: int = 50) -> None:
     """On one h2 connection: uploads and downloads cancelled with RST_STREAM(CANCEL) after 1 KB of answer."""
     async with RawH2Client.open(port) as client:
         for i in range(rounds):
@@ -120,14 +133,7 @@ async def h2_aborts(port: int, rounds: int) -> None:
                 sid = await client.start(client.head(b"POST", b"/echo"), end_stream=False)
                 for _ in range(12):  # 192 KiB: within the edge's 256 KiB stream window
                     await client.send(sid, b"u" * 16384)
-            received = 0
-            while received < 1024:
-                event = await client.next_event(sid)
-                assert not isinstance(event, h2.events.StreamReset), event
-                if isinstance(event, h2.events.DataReceived):
-                    received += len(event.data)
-            client.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
-            await client.flush()
+            await read_then_cancel(client, sid)
 
 
 async def whole_echo(url: str, *, http2: bool) -> None:
@@ -147,35 +153,7 @@ async def chain(request: pytest.FixtureRequest, nursery: trio.Nursery) -> chain_
     return running
 
 
-async def test_aborted_h1_uploads_give_back_their_window(chain: chain_recipe.Chain) -> None:
-    with trio.fail_after(120):
-        for _ in range(200):
-            await h1_aborted_upload(chain.edge.port)
-        await wait_balanced(chain)
-        await whole_echo(chain.url, http2=False)
-        await whole_echo(chain.url, http2=True)
-        await wait_balanced(chain)
-
-
-async def test_aborted_h1_downloads_give_back_their_window(chain: chain_recipe.Chain) -> None:
-    with trio.fail_after(120):
-        for _ in range(200):
-            await h1_aborted_download(chain.edge.port)
-        await wait_balanced(chain)
-        await whole_echo(chain.url, http2=True)
-        await wait_balanced(chain)
-
-
-async def test_h2_streams_cancelled_mid_exchange_give_back_their_window(chain: chain_recipe.Chain) -> None:
-    with trio.fail_after(120):
-        for _ in range(4):
-            await h2_aborts(chain.edge.port, 50)
-        await wait_balanced(chain)
-        await whole_echo(chain.url, http2=True)
-        await wait_balanced(chain)
-
-
-async def ws_aborted_echo(port: int, message: str) -> None:
+async def ws_aborted_echo(port: int, message: str = "w" * (200 * 1024)) -> None:
     """Send three big messages, read one echo, reset the connection."""
     stream = await trio.open_tcp_stream(HOST, port)
     async with trio.open_nursery() as nursery:
@@ -187,11 +165,38 @@ async def ws_aborted_echo(port: int, message: str) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_websockets_dropped_mid_echo_give_back_their_window(chain: chain_recipe.Chain) -> None:
-    message = "w" * (200 * 1024)
+async def h2_ws_aborts(port: int, rounds: int = 50) -> None:
+    """On one h2 connection: WebSockets (RFC 8441) that send 192 KiB, read 1 KB of the echo, and are cancelled."""
+    async with RawH2Client.open(port) as client:
+        for _ in range(rounds):
+            head = client.head(b"CONNECT", b"/echo", (b"sec-websocket-version", b"13"))
+            head.insert(1, (b":protocol", b"websocket"))
+            sid = await client.start(head, end_stream=False)
+            event = await client.next_event(sid)
+            assert isinstance(event, h2.events.ResponseReceived) and (b":status", b"200") in event.headers, event
+            frame = bytes(FrameProtocol(client=True, extensions=[]).send_data(b"w" * (192 * 1024 - 14), fin=True))
+            for offset in range(0, len(frame), 16384):
+                await client.send(sid, frame[offset : offset + 16384])
+            await read_then_cancel(client, sid)
+
+
+ABORTS = {
+    "h1 uploads reset mid-echo": (h1_aborted_upload, 200),
+    "h1 downloads reset mid-stream": (h1_aborted_download, 200),
+    "h2 uploads and downloads cancelled": (h2_aborts, 4),  # (50 a connection)
+    "h1 WebSockets reset mid-echo": (ws_aborted_echo, 100),
+    "h2 WebSockets cancelled mid-echo": (h2_ws_aborts, 2),
+}
+
+
+@pytest.mark.parametrize("kind", list(ABORTS))
+async def test_aborted_exchanges_give_back_their_window(chain: chain_recipe.Chain, kind: str) -> None:
+    """Hundreds of aborted exchanges, then every connection's books balance and 1 MiB still goes through whole."""
+    abort, times = ABORTS[kind]
     with trio.fail_after(120):
-        for _ in range(100):
-            await ws_aborted_echo(chain.edge.port, message)
+        for _ in range(times):
+            await abort(chain.edge.port)
         await wait_balanced(chain)
+        await whole_echo(chain.url, http2=False)
         await whole_echo(chain.url, http2=True)
         await wait_balanced(chain)
