@@ -1,6 +1,5 @@
 """proxyblocks: composable reverse-proxy building blocks on Trio."""
 
-from blocks._h2 import H2ConnectionStatistics
 from blocks.demo import DemoApp, serve_demo_replica, websocket_echo
 from blocks.errors import (
     BadRequest,
@@ -13,17 +12,6 @@ from blocks.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamTimeout,
-)
-from blocks.fair_queue import (
-    FairQueue,
-    Grant,
-    QueueFull,
-    QueueTimeout,
-    SchedulerConfig,
-    SchedulerStatistics,
-    TenantPolicy,
-    TenantStatistics,
-    Ticket,
 )
 from blocks.hops import (
     INTERNAL_LISTENER,
@@ -48,12 +36,15 @@ from blocks.http import (
     Request,
     Response,
     StreamBody,
+    abandon,
     error_response,
     respond,
     text_response,
 )
-from blocks.listener import HTTPServer, ListenerConfig, ServerStatistics, serve_http
-from blocks.load import (
+from blocks.mirror import MIRROR_HEADER, Mirror, MirrorConfig, MirrorStatistics, open_mirror
+from blocks.mirror._core import MirrorPair, Observation, RouteComparison, Sampler
+from blocks.prober import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
+from blocks.prober._core import (
     LOAD_PATH,
     PROBE_HEADER,
     AppAutoscale,
@@ -70,9 +61,6 @@ from blocks.load import (
     encode_load,
     parse_load,
 )
-from blocks.mirror import MIRROR_HEADER, Mirror, MirrorConfig, MirrorStatistics, open_mirror
-from blocks.multiplexer import PoolStatistics, UpstreamConfig, Upstreams, open_upstreams
-from blocks.prober import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
 from blocks.routing import (
     Address,
     AffinityHash,
@@ -102,6 +90,17 @@ from blocks.routing import (
     route_key_for_settings,
 )
 from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler, token_tenant
+from blocks.scheduler._core import (
+    FairQueue,
+    Grant,
+    QueueFull,
+    QueueTimeout,
+    SchedulerConfig,
+    SchedulerStatistics,
+    TenantPolicy,
+    TenantStatistics,
+    Ticket,
+)
 from blocks.sessions import (
     ENDED_HEADER,
     SESSION_HEADER,
@@ -137,9 +136,7 @@ from blocks.sources import (
     reconcile,
     write_route_file,
 )
-from blocks.tee import MirrorPair, Observation, RouteComparison, Sampler
 from blocks.timing import Timing, add_server_timing, parse_server_timing
-from blocks.tls import make_self_signed, server_context
 from blocks.tokens import (
     InvalidToken,
     Keyring,
@@ -153,6 +150,10 @@ from blocks.tokens import (
     TokenVerifierConfig,
     TokenVerifierStatistics,
 )
+from blocks.transport._h2 import H2ConnectionStatistics
+from blocks.transport.listener import HTTPServer, ListenerConfig, ServerStatistics, serve_http
+from blocks.transport.multiplexer import PoolStatistics, UpstreamConfig, Upstreams, open_upstreams
+from blocks.transport.tls import make_self_signed, server_context
 from blocks.websocket import (
     WebSocketApp,
     WebSocketConfig,
@@ -172,6 +173,7 @@ __all__ = [
     "Request",
     "Response",
     "StreamBody",
+    "abandon",
     "error_response",
     "respond",
     "text_response",

@@ -29,7 +29,7 @@ import trio
 import trio_websocket
 
 from blocks.http import Body, BytesBody, IterBody, Request, Response, text_response
-from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.websocket import open_websocket_app
 
 MAX_STREAM_CHUNKS = 100_000

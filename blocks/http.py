@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
 from blocks._sync import Signal
 from blocks.errors import BlocksError, StreamReset
@@ -33,7 +34,7 @@ from blocks.errors import BlocksError, StreamReset
 if TYPE_CHECKING:
     from blocks.timing import Timing
 
-log = logging.getLogger("blocks.listener")
+log = logging.getLogger("blocks.transport.listener")
 
 Headers = list[tuple[bytes, bytes]]
 """Lowercase header names and their values, in wire order."""
@@ -65,6 +66,12 @@ class Body:
 
     async def aclose(self) -> None:
         return None
+
+    def discard(self) -> None:
+        """Nobody will read this body any more: drop what it holds (its window goes back). Never blocks.
+
+        Unlike :meth:`aclose`, it does not tell the producer to stop.
+        """
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._iterate()
@@ -154,10 +161,12 @@ class StreamBody(Body):
     delivers nothing more), by :meth:`aclose`, or by :meth:`discard` (its
     owner knows nobody will read it). A body that ended cleanly keeps its
     bytes for the consumer, so whoever owns it reads it to the end, closes
-    it, or discards it.
+    it, or discards it: the listener discards a request body nobody started
+    reading (``claimed``) once its handler is done, and a reader that
+    started (a relay's body pump) discards what it leaves when it stops.
     """
 
-    __slots__ = ("_chunks", "_ended", "_error", "_signal", "on_abandon", "on_consumed")
+    __slots__ = ("_chunks", "_claimed", "_ended", "_error", "_signal", "on_abandon", "on_consumed")
 
     def __init__(
         self,
@@ -168,6 +177,7 @@ class StreamBody(Body):
     ) -> None:
         super().__init__(length)
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._claimed = False  # a reader started: it reads to the end, closes or discards
         self._ended = False
         self._error: BaseException | None = None
         self._signal = Signal()
@@ -233,11 +243,22 @@ class StreamBody(Body):
         return self._error
 
     @property
+    def received_all(self) -> bool:
+        """The producer ended the body cleanly: every byte has been fed (some may wait to be read)."""
+        return self._ended and self._error is None
+
+    @property
+    def claimed(self) -> bool:
+        """Whether a reader started reading: then that reader reads it to the end, or closes or discards it."""
+        return self._claimed
+
+    @property
     def buffered(self) -> int:
         """Bytes fed and not yet received."""
         return sum(map(len, self._chunks))
 
     async def receive(self) -> bytes:
+        self._claimed = True
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
@@ -322,17 +343,38 @@ class Response:
             self._on_close.append(callback)
 
     def closed(self) -> None:
-        """Called by the listener when the response is done; runs the callbacks."""
+        """Called by the listener when the response is done; runs the callbacks.
+
+        Every callback runs, even when one before it raises (that is logged
+        with its traceback): each releases something of its own.
+        """
         callbacks, self._on_close = self._on_close, None
         if callbacks:
             for callback in callbacks:
-                callback()
+                try:
+                    callback()
+                except Exception:
+                    log.exception("a response's close callback failed")
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         for key, value in self.headers:
             if key == name:
                 return value
         return default
+
+
+async def abandon(body: Body) -> None:
+    """Close a body its holder is done with, on every path: shielded, within a second, a failure logged.
+
+    For ``finally`` blocks: it runs even while the caller is being
+    cancelled, and whatever the body's own ``aclose`` raises (a user's
+    iterator) is logged, never passed on to the cleanup around it.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await body.aclose()
+        except Exception:
+            log.exception("closing an abandoned body failed")
 
 
 async def respond(handler: Handler, request: Request) -> Response:

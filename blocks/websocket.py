@@ -51,10 +51,10 @@ import trio
 import trio_websocket
 
 from blocks._sync import Signal, one_error
-from blocks._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, new_key
 from blocks.errors import StreamReset
 from blocks.http import HOP_BY_HOP, Body, BytesBody, Handler, Headers, Request, Response, error_response, text_response
-from blocks.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, new_key
+from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 
 log = logging.getLogger("blocks.websocket")
 

@@ -12,7 +12,7 @@ import collections
 import functools
 import math
 import socket
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import parse_qs
@@ -28,6 +28,7 @@ import trio_websocket
 
 from blocks import (
     EdgeConfig,
+    H2ConnectionStatistics,
     HTTPServer,
     ListenerConfig,
     LocalReplica,
@@ -559,6 +560,37 @@ async def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str] 
             await trio.sleep(0.005)
         return
     raise AssertionError(f"still waiting after {timeout} s: {what() if callable(what) else what or predicate}")
+
+
+def books(servers: Mapping[str, HTTPServer]) -> Iterator[tuple[str, H2ConnectionStatistics]]:
+    """Every h2 connection of these servers, on both ends of each hop: ``("edge -> proxy", its books)``."""
+    names = {server.port: name for name, server in servers.items()}
+    for name, server in servers.items():
+        for conn in server.statistics().h2:
+            yield f"{name}'s listener", conn
+        if server.upstreams is not None:
+            for pool in server.upstreams.statistics():
+                for conn in pool.h2:
+                    yield f"{name} -> {names.get(pool.address[1], pool.address)}", conn
+
+
+async def wait_books_balanced(servers: Mapping[str, HTTPServer], links: Sequence[str] = ()) -> None:
+    """Wait until no h2 connection of ``servers`` has a stream or holds an unacknowledged byte.
+
+    ``links`` (``"edge -> proxy"``) must be among the connections read: a ledger without them
+    would balance by having nothing in it.
+    """
+
+    def balanced() -> bool:
+        return all(conn.streams == 0 and conn.unacknowledged == 0 for _, conn in books(servers))
+
+    def ledger() -> str:
+        held = [f"{name}: {conn}" for name, conn in books(servers) if conn.streams or conn.unacknowledged]
+        return "connections still hold bytes: " + "; ".join(held)
+
+    await wait_for(balanced, ledger, timeout=20)
+    seen = {name for name, _ in books(servers)}
+    assert set(links) <= seen, f"no connection {sorted(set(links) - seen)} to read the books of, in {sorted(seen)}"
 
 
 class RecordingCache:

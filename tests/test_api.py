@@ -11,9 +11,11 @@ from pathlib import Path
 import blocks
 
 BLOCKS = Path(blocks.__file__).resolve().parent
-SANS_IO = ["routing", "fair_queue", "tokens", "tee", "sessions._core"]
-"""Sans-IO blocks: a module, a subpackage whose every module is sans-IO, or the sans-IO
-module of a subpackage that also holds its trio driver (``sessions._core``)."""
+WHOLE = ["routing", "tokens"]
+"""Blocks that are sans-IO as a whole (they have no trio driver)."""
+SANS_IO = [*WHOLE, *sorted(".".join(p.relative_to(BLOCKS).with_suffix("").parts) for p in BLOCKS.rglob("_core.py"))]
+"""Sans-IO modules: those blocks, and every block's ``_core.py`` (found by its name), whose
+trio driver sits beside it."""
 
 
 def _sans_io_modules() -> list[tuple[str, Path]]:
@@ -31,9 +33,12 @@ def _sans_io_modules() -> list[tuple[str, Path]]:
 
 
 def _driver_packages(module: str) -> list[str]:
-    """The packages above ``module`` that are not sans-IO as a whole (their ``__init__`` may load trio)."""
+    """The packages whose ``__init__`` may load trio: those above ``module`` that are not sans-IO as a
+    whole, and every package with a core (a core may use another block's core, never its driver)."""
     parts = module.split(".")[:-1]
-    return [".".join(parts[: i + 1]) for i in range(len(parts)) if ".".join(parts[: i + 1]) not in SANS_IO]
+    above = [".".join(parts[: i + 1]) for i in range(len(parts)) if ".".join(parts[: i + 1]) not in SANS_IO]
+    cores = [name.rpartition(".")[0] for name in SANS_IO if name.endswith("._core")]
+    return sorted(set(above) | set(cores))
 
 
 def test_the_sans_io_list_names_real_modules() -> None:
@@ -43,7 +48,9 @@ def test_the_sans_io_list_names_real_modules() -> None:
         "routing._cache",
         "routing._policies",
         "routing._rendezvous",
-        "fair_queue",
+        "scheduler._core",
+        "mirror._core",
+        "prober._core",
         "tokens",
         "sessions._core",
     }
@@ -116,3 +123,14 @@ def test_sans_io_modules_load_without_trio() -> None:
         assert f"blocks.{module}" in loaded
         through = [name for name in loaded if name.startswith("blocks.")]
         assert "trio" not in loaded, f"importing blocks.{module} loads trio, through {through}"
+
+
+TRANSPORT_MAY_IMPORT = ("blocks.transport", "blocks.http", "blocks.errors", "blocks.timing", "blocks._sync")
+"""The transport layer stands under every block: it imports itself and the shared vocabulary only."""
+
+
+def test_the_transport_layer_imports_no_block() -> None:
+    for path in sorted((BLOCKS / "transport").rglob("*.py")):
+        found = {name for name in _imported_modules(path) if name == "blocks" or name.startswith("blocks.")}
+        stray = {name for name in found if not name.startswith(TRANSPORT_MAY_IMPORT)}
+        assert not stray, f"{path.relative_to(BLOCKS)} imports {sorted(stray)}"

@@ -49,8 +49,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from blocks import ListenerConfig, Request, Response, UpstreamConfig
-from blocks._h2server import H2ServerConnection
-from blocks.multiplexer._h2pool import H2ClientConnection, _H2Pool
+from blocks.transport._h2server import H2ServerConnection
+from blocks.transport.multiplexer._h2pool import H2ClientConnection, _H2Pool
 
 CODES = [
     h2.errors.ErrorCodes.NO_ERROR,
@@ -79,6 +79,7 @@ class PeerStream:
     ended_remote: bool = False
     reset: int | None = None  # the code it was reset with, by either side
     reset_remote: int | None = None  # the code of the RST_STREAM the other side sent, if it did
+    reset_local: int | None = None  # the code of the RST_STREAM we sent, if we did
     early: bool = False  # (server) answered in full, then RST_STREAM(NO_ERROR)
 
     @property
@@ -259,9 +260,18 @@ class HopBooks(RuleBasedStateMachine):
         self.act(mutate)
         return sid
 
-    @rule(sid=exchanges, chunks=st.integers(1, 6))
-    def client_sends(self, sid: int, chunks: int) -> None:
-        self.act(lambda: self.client.send(self.client.streams[sid], chunks, self.counter))
+    @rule(sid=exchanges, chunks=st.integers(1, 6), end=st.booleans())
+    def client_sends(self, sid: int, chunks: int, end: bool) -> None:
+        """Up to ``chunks`` chunks of the request body, as the windows allow; then its end, with ``end``."""
+        ps = self.client.streams[sid]
+
+        def mutate() -> None:
+            self.client.send(ps, chunks, self.counter)
+            if end and ps.open and not ps.ended_local:
+                ps.ended_local = True
+                self.client.conn.end_stream(sid)
+
+        self.act(mutate)
 
     @rule(sid=exchanges)
     def client_ends(self, sid: int) -> None:
@@ -274,7 +284,7 @@ class HopBooks(RuleBasedStateMachine):
     def client_resets(self, sid: int, code: int) -> None:
         ps = self.client.streams[sid]
         if ps.open:
-            ps.reset = code
+            ps.reset = ps.reset_local = code
             self.act(lambda: (self.client.conn.reset_stream(sid, code), self.client.give_back(ps)))
 
     @rule(sid=exchanges)
@@ -307,7 +317,7 @@ class HopBooks(RuleBasedStateMachine):
         # It read what had come (a WINDOW_UPDATE), then refused the rest: both in one write.
         self.server.give_back(ps)
         self.server.conn.reset_stream(ps.sid, h2.errors.ErrorCodes.NO_ERROR)
-        ps.reset = h2.errors.ErrorCodes.NO_ERROR
+        ps.reset = ps.reset_local = h2.errors.ErrorCodes.NO_ERROR
         ps.early = True
 
     @rule(sid=exchanges, chunks=st.integers(1, 6))
@@ -336,7 +346,7 @@ class HopBooks(RuleBasedStateMachine):
     def server_resets(self, sid: int, code: int) -> None:
         ps = self.upstream(sid)
         if ps is not None and ps.open:
-            ps.reset = code
+            ps.reset = ps.reset_local = code
             self.act(lambda: (self.server.conn.reset_stream(ps.sid, code), self.server.give_back(ps)))
 
     @rule(sid=exchanges)
@@ -387,6 +397,13 @@ class HopBooks(RuleBasedStateMachine):
                     break
             for sid, ours in self.client.streams.items():
                 theirs = self.upstream(sid)
+                if theirs is not None and ours.ended_local and ours.reset_local is None and theirs.reset_local is None:
+                    # A whole request that neither peer reset: the hop has no reason to cut either way.
+                    assert theirs.reset_remote is None, f"stream {sid}: the hop reset the upstream's stream"
+                    assert theirs.ended_remote and theirs.received == ours.sent, f"stream {sid}: the request, cut"
+                    if theirs.ended_local:
+                        assert ours.ended_remote and ours.received == theirs.sent, f"stream {sid}: response cut"
+                        assert ours.reset_remote in (None, 0), f"stream {sid}: reset {ours.reset_remote}"
                 if theirs is not None and theirs.early and ours.reset == ours.reset_remote:  # (we never reset it)
                     assert ours.ended_remote, f"stream {sid}: an early answer never ended downstream"
                     assert ours.reset in (None, h2.errors.ErrorCodes.NO_ERROR), f"stream {sid}: reset {ours.reset}"
@@ -408,10 +425,39 @@ NURSERY: list[trio.Nursery] = []
 async def test_every_byte_received_is_acknowledged_once(nursery: trio.Nursery) -> None:
     NURSERY[:] = [nursery]
     machine_settings = settings(
-        max_examples=150,
+        max_examples=300,
         stateful_step_count=30,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
     with trio.fail_after(600):
         await trio.to_thread.run_sync(functools.partial(run_state_machine_as_test, HopBooks, settings=machine_settings))
+
+
+def replay(steps: Callable[[HopBooks], object]) -> Callable[[], None]:
+    """One exchange the machine once found, as a fixed sequence of its rules (with every check)."""
+
+    def run() -> None:
+        machine = HopBooks()
+        try:
+            steps(machine)
+            machine.no_byte_lost_duplicated_or_reordered()
+            machine.no_byte_acknowledged_twice()
+        finally:
+            machine.teardown()
+
+    return run
+
+
+async def test_a_whole_request_answered_before_it_is_read_still_arrives_whole(nursery: trio.Nursery) -> None:
+    """The upstream answers in full before reading a request that has ended (no reset): the hop's body
+    pump, held up by the upstream's window, must still deliver every byte of it after the answer."""
+    NURSERY[:] = [nursery]
+
+    def steps(machine: HopBooks) -> None:
+        sid = machine.open(b"/task", 3)
+        machine.client_sends(sid, 3, True)
+        machine.server_answers(sid, 0, False)
+
+    with trio.fail_after(60):
+        await trio.to_thread.run_sync(replay(steps))

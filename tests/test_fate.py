@@ -48,7 +48,7 @@ from blocks import (
     serve_demo_replica,
     serve_http,
 )
-from tests.support import HOST, H2Result, RawH2Client
+from tests.support import HOST, H2Result, RawH2Client, wait_books_balanced
 
 HOPS = ["edge", "proxy", "worker"]
 
@@ -119,8 +119,8 @@ async def serve_hop(
         await serve_http(hop.handle, config=listener, relay=hop.relay, upstreams=upstreams, task_status=task_status)
 
 
-async def chain_with_a_bug_at(nursery: trio.Nursery, where: str) -> int:
-    """edge -> proxy -> worker -> a demo replica, with the buggy code at ``where``; the edge's port."""
+async def chain_with_a_bug_at(nursery: trio.Nursery, where: str) -> dict[str, HTTPServer]:
+    """edge -> proxy -> worker -> a demo replica, with the buggy code at ``where``; the servers by name."""
     replica = await nursery.start(serve_demo_replica, "replica-0")
     local = {"replica-0": LocalReplica((HOST, replica.port))}
     worker_cls = BoomWorker if where == "worker" else Worker
@@ -139,7 +139,7 @@ async def chain_with_a_bug_at(nursery: trio.Nursery, where: str) -> int:
     edge: HTTPServer = await nursery.start(
         functools.partial(serve_hop, lambda ups: edge_cls(config, ups), ListenerConfig())
     )
-    return edge.port
+    return {"edge": edge, "proxy": proxy, "worker": worker, "replica": replica}
 
 
 async def beside_100(client: RawH2Client, path: bytes, boom_path: bytes) -> tuple[list[H2Result], H2Result]:
@@ -166,7 +166,8 @@ def tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 async def test_a_bug_deciding_one_h2_stream_costs_that_stream_alone(
     nursery: trio.Nursery, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port = await chain_with_a_bug_at(nursery, where)
+    servers = await chain_with_a_bug_at(nursery, where)
+    port = servers["edge"].port
     with trio.fail_after(30):
         async with RawH2Client.open(port) as client:
             others, boom = await beside_100(client, b"/sleep?ms=100", b"/boom")
@@ -184,7 +185,8 @@ async def test_a_bug_deciding_one_h2_stream_costs_that_stream_alone(
 async def test_a_bug_deciding_an_h1_request_keeps_the_connection(
     nursery: trio.Nursery, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port = await chain_with_a_bug_at(nursery, where)
+    servers = await chain_with_a_bug_at(nursery, where)
+    port = servers["edge"].port
     with trio.fail_after(30):
         transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1))
         async with httpx.AsyncClient(transport=transport, timeout=10, trust_env=False) as client:
@@ -200,7 +202,8 @@ async def test_a_bug_deciding_an_h1_request_keeps_the_connection(
 async def test_a_bug_while_a_response_streams_resets_that_stream_alone(
     nursery: trio.Nursery, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port = await chain_with_a_bug_at(nursery, where)
+    servers = await chain_with_a_bug_at(nursery, where)
+    port = servers["edge"].port
     with trio.fail_after(30):
         async with RawH2Client.open(port) as client:
             others, boom = await beside_100(client, b"/stream?n=20&ms=5", b"/stream?n=20&ms=5&boom=1")
@@ -212,4 +215,6 @@ async def test_a_bug_while_a_response_streams_resets_that_stream_alone(
             after = await client.request(client.head(b"GET", b"/"))
             assert after.status == 200
             assert client.terminated is None
+            # What the cut stream had received is given back on every hop's connections.
+            await wait_books_balanced(servers, links=["edge -> proxy", "proxy -> worker", "worker -> replica"])
     assert len(tracebacks(caplog)) == 1, [r.getMessage() for r in caplog.records]

@@ -32,7 +32,7 @@ from blocks import (
     serve_http,
     text_response,
 )
-from blocks._h2 import BACKLOG_HIGH
+from blocks.transport._h2 import BACKLOG_HIGH
 from tests.support import HOST, Assembled, RawFrames, TenantReplica, assemble_local, serve_tenant_replica
 
 CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM

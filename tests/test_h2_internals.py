@@ -17,7 +17,7 @@ import h2.stream
 import h2.windows
 import pytest
 
-from blocks._h2 import GuardedFrameBuffer, make_h2
+from blocks.transport._h2 import GuardedFrameBuffer, make_h2
 
 
 def relied_on(owner: object, name: str, where: str) -> object:
@@ -28,7 +28,7 @@ def relied_on(owner: object, name: str, where: str) -> object:
 
 
 def test_the_connection_state_machine_table_outlived_goaway() -> None:
-    table = relied_on(h2.connection.H2ConnectionStateMachine, "_transitions", "blocks/multiplexer/_h2pool.py")
+    table = relied_on(h2.connection.H2ConnectionStateMachine, "_transitions", "blocks/transport/multiplexer/_h2pool.py")
     assert isinstance(table, dict)
     key = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY)
     assert key in table, "the pool rewrites this transition so that a GOAWAY leaves the connection open"
@@ -37,17 +37,19 @@ def test_the_connection_state_machine_table_outlived_goaway() -> None:
 
 
 def test_new_streams_are_made_by_one_method_with_the_content_length_checks_as_methods() -> None:
-    begin = relied_on(h2.connection.H2Connection, "_begin_new_stream", "blocks/_h2.py (_LengthUncheckedConnection)")
+    begin = relied_on(
+        h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_h2.py (_LengthUncheckedConnection)"
+    )
     assert list(inspect.signature(begin).parameters) == ["self", "stream_id", "allowed_ids"]
     for name in ("_initialize_content_length", "_track_content_length"):
-        relied_on(h2.stream.H2Stream, name, "blocks/_h2.py (_LengthUncheckedStream)")
+        relied_on(h2.stream.H2Stream, name, "blocks/transport/_h2.py (_LengthUncheckedStream)")
     assert not hasattr(h2.stream.H2Stream, "__slots__") or "__dict__" in h2.stream.H2Stream.__slots__, (
         "_LengthUncheckedStream swaps __class__ on h2's streams: they must share a layout"
     )
 
 
 def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method() -> None:
-    relied_on(h2.frame_buffer.FrameBuffer, "_update_header_buffer", "blocks/_h2.py (GuardedFrameBuffer)")
+    relied_on(h2.frame_buffer.FrameBuffer, "_update_header_buffer", "blocks/transport/_h2.py (GuardedFrameBuffer)")
     guard = GuardedFrameBuffer(max_header_block=1024, max_empty=8, flood_limit=10, flood_window=1.0)
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     guard.add_data(preface + b"\x00\x00\x00")
@@ -56,7 +58,7 @@ def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method
 
 def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
     conn = make_h2(client_side=True, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
-    window = relied_on(conn, "_inbound_flow_control_window_manager", "blocks/_h2.py (H2Driver.statistics)")
+    window = relied_on(conn, "_inbound_flow_control_window_manager", "blocks/transport/_h2.py (H2Driver.statistics)")
     assert isinstance(window, h2.windows.WindowManager)
     for name in ("max_window_size", "current_window_size", "_bytes_processed"):
         assert isinstance(getattr(window, name, None), int), f"WindowManager.{name} (H2Driver.statistics)"

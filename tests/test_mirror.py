@@ -55,8 +55,8 @@ from blocks import (
     text_response,
 )
 from blocks.http import Body, BytesBody
+from blocks.mirror._core import BodyDigest, ComparisonBook, Observation, TeeBudget, TeeBuffer, compare, key_point
 from blocks.sources.routefile import document_from_routes, dump_toml, parse_route_file
-from blocks.tee import BodyDigest, ComparisonBook, Observation, TeeBudget, TeeBuffer, compare, key_point
 from tests.support import RawH2Client, wait_for
 
 HOST = "127.0.0.1"

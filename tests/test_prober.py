@@ -14,9 +14,6 @@ import itertools
 import json
 import math
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import attrs
 import pytest
@@ -139,28 +136,8 @@ def test_local_replica_capacity() -> None:
 # -- the estimator ----------------------------------------------------------------------------
 
 
-# Loads ``blocks.load`` without the package's ``__init__`` (which imports trio
+# Loads ``blocks.prober._core`` without the package's ``__init__`` (which imports trio
 # blocks), so that only what the module itself pulls in ends up in sys.modules.
-_PROBE = """
-import sys, types
-package = types.ModuleType("blocks")
-package.__path__ = [sys.argv[1]]
-sys.modules["blocks"] = package
-__import__("blocks.load")
-print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] in ("trio", "blocks"))))
-"""
-
-
-def test_load_is_sans_io() -> None:
-    root = Path(blocks.__file__).resolve().parent
-    result = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, timeout=60, check=True
-    )
-    loaded = result.stdout.split()
-    assert "blocks.load" in loaded
-    assert "trio" not in loaded, loaded
-
-
 def test_estimate_is_the_snapshot_corrected_by_what_this_proxy_did_since() -> None:
     estimator = LoadEstimator()
     assert estimator.estimate("a") == 0

@@ -61,7 +61,7 @@ def saturate(queue: FairQueue, budget: int) -> collections.deque[Grant]:
 # -- the sans-IO rule ---------------------------------------------------------------------
 
 
-# That blocks.fair_queue imports no trio is checked with the other sans-IO
+# That blocks.scheduler._core imports no trio is checked with the other sans-IO
 # modules in test_api.py; here, that it also runs without one.
 
 

@@ -58,7 +58,7 @@ from blocks import (
     text_response,
     websocket_echo,
 )
-from blocks._h2 import BACKLOG_HIGH, H2Driver
+from blocks.transport._h2 import BACKLOG_HIGH, H2Driver
 
 MiB = 1 << 20
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="  # RFC 6455's sample key

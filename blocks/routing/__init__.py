@@ -39,7 +39,8 @@ from blocks.routing._settings import (
     encode_settings,
     route_key_for_settings,
 )
-from blocks.routing._table import Address, Replica, Routes, RouteTable
+from blocks.routing._table import Replica, Routes, RouteTable
+from blocks.transport import Address
 
 __all__ = [
     # routes

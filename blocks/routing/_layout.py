@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from blocks.routing._table import STATES, Address, Replica
+from blocks.routing._table import STATES, Replica
+from blocks.transport import Address
 
 DOMAINS_PREFIX = "domains/"
 APPS_PREFIX = "apps/"

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from blocks.routing._layout import APPS_PREFIX, format_address, parse_address
-from blocks.routing._table import Address
+from blocks.transport import Address
 
 SETTINGS_SUFFIX = "/settings"
 

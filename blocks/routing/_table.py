@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
+from blocks.transport import Address
+
 if TYPE_CHECKING:
     from blocks.routing._settings import AppSettings
-
-Address = tuple[str, int]
-"""A ``(host, port)`` to connect to."""
 
 STATES = ("live", "draining", "down")
 """A replica's states. Only ``live`` replicas are offered to a policy by a :class:`RouteCache`."""

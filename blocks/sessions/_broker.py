@@ -16,7 +16,7 @@ import trio
 from blocks._sync import one_error
 from blocks.errors import NoRoute, Unauthorized, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import BytesBody, Headers, Request, Response
-from blocks.load import PROBE_HEADER, REPLICA_HEADER
+from blocks.prober._core import PROBE_HEADER, REPLICA_HEADER
 from blocks.sessions._core import (
     SESSION_HEADER,
     SESSIONS_PATH,
@@ -29,10 +29,10 @@ from blocks.sessions._core import (
 from blocks.tokens._proxy_auth import take_token
 
 if TYPE_CHECKING:
-    from blocks.load import LoadReport
-    from blocks.multiplexer import Upstreams
+    from blocks.prober._core import LoadReport
     from blocks.routing import Replica, Routes
     from blocks.tokens import TokenClaims, TokenIssuer, TokenVerifier
+    from blocks.transport.multiplexer import Upstreams
 
 log = logging.getLogger("blocks.sessions")
 
@@ -137,8 +137,8 @@ class SessionBroker:
         """Start a session of ``app`` for ``tenant``: place it, have its worker open it, mint its token.
 
         Waits for a place in the app's fair queue when every replica is full
-        (:class:`~blocks.fair_queue.QueueFull` 429 when the queue is, a
-        :class:`~blocks.fair_queue.QueueTimeout` 503 at its deadline);
+        (:class:`~blocks.scheduler._core.QueueFull` 429 when the queue is, a
+        :class:`~blocks.scheduler._core.QueueTimeout` 503 at its deadline);
         :class:`~blocks.errors.NoRoute` (503) when the app has no live replica.
         """
         placer, live = self.placer, self._live

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 from blocks.errors import BlocksError
-from blocks.fair_queue import QueueFull, QueueTimeout
+from blocks.scheduler._core import QueueFull, QueueTimeout
 
 if TYPE_CHECKING:
     from blocks.routing import Replica

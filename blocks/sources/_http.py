@@ -24,8 +24,8 @@ import attrs
 import h11
 import trio
 
-from blocks._h1 import H1Stream
 from blocks.sources._base import SourceUnavailable
+from blocks.transport._h1 import H1Stream
 
 _ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 

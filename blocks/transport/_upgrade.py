@@ -18,7 +18,7 @@ import os
 
 from wsproto.utilities import generate_accept_token
 
-from blocks._validate import WEBSOCKET_VERSION
+from blocks.transport._validate import WEBSOCKET_VERSION
 
 __all__ = ["KEY_FIELDS", "WEBSOCKET_VERSION", "accept_token", "comma_tokens", "new_key", "valid_key"]
 

@@ -58,8 +58,8 @@ from blocks.errors import StreamReset
 from blocks.http import Body, BytesBody, Headers, StreamBody
 
 if TYPE_CHECKING:
-    from blocks._splice import Splice
     from blocks.http import Request
+    from blocks.transport._splice import Splice
 
 log = logging.getLogger("blocks.h2")
 
@@ -222,7 +222,7 @@ def make_h2(
 
     h2's own header validation costs more than the rest of a hop's work and
     turns a malformed request into a connection error. Proxyblocks validates
-    request heads once, at the edge, in :mod:`blocks._validate` (a stream
+    request heads once, at the edge, in :mod:`blocks.transport._validate` (a stream
     error, 400); every other hop only hears from a hop that did.
     ``connect_protocol`` (servers) advertises ``SETTINGS_ENABLE_CONNECT_PROTOCOL``
     (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.

@@ -12,15 +12,15 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, acknowledge, flush_marked, in_batch, make_h2
-from blocks._splice import HeadFilter, Sink, Splice
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
-from blocks.http import Body, Headers, Request, Response, empty_body
-from blocks.multiplexer._config import PoolStatistics, UpstreamConfig
-from blocks.routing import Address
+from blocks.http import Body, Headers, Request, Response, abandon, empty_body
+from blocks.transport import Address
+from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked, in_batch, make_h2
+from blocks.transport._splice import HeadFilter, Sink, Splice
+from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 
-log = logging.getLogger("blocks.multiplexer")
+log = logging.getLogger("blocks.transport.multiplexer")
 
 _CANCEL = h2.errors.ErrorCodes.CANCEL
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
@@ -194,6 +194,8 @@ class H2ClientConnection(H2Driver):
                 await st.signal.wait()
             except BaseException:
                 self.reset(st, _CANCEL)
+                if st.head is not None:  # it came, even whole, as we were cancelled: nobody will read it
+                    st.head.body.discard()
                 raise
         head: Response | None = st.head
         if head is None:
@@ -451,7 +453,7 @@ class _Replay:
         )
         old.on_close = None
         old.closed = True
-        # Whoever watches the exchange (blocks._tap) goes on watching it on the new stream.
+        # Whoever watches the exchange (blocks.transport._tap) goes on watching it on the new stream.
         new.request.tap, new.response.tap = old.request.tap, old.response.tap
         for data, size, end, trailers in events:
             if data is None:
@@ -692,45 +694,53 @@ class _H2Pool:
             raise UpstreamProtocolError(f"cannot open a stream to {self.address}: {exc}") from exc
 
     async def _pump(self, upload: _Upload) -> None:
-        """Send the request body, on the first stream or on its retry."""
+        """Send the request body, on the first stream or on its retry.
+
+        The body is the pump's from its first read: what it leaves unsent when
+        it stops early is discarded here (its window goes back), whoever else
+        still holds the body.
+        """
         body = upload.body
-        with upload.scope:
-            try:
-                while True:
-                    chunk = await body.receive()
-                    conn, st = await upload.target()
-                    if not chunk:
-                        if body.trailers:
-                            conn.h2.send_headers(st.id, body.trailers, end_stream=True)
-                        else:
-                            conn.h2.end_stream(st.id)
-                        conn.kick()
-                        break
-                    last = body.ended and not body.trailers  # the common one-chunk body: END_STREAM with it
-                    upload.sent = True
-                    await conn.send_data(st, chunk, end_stream=last)
-                    if last:
-                        break
-            except (StreamReset, h2.exceptions.ProtocolError):
-                # The client's upload broke, or the upstream stream went away.
-                upload.broken = True
-                upload.conn.reset(upload.st, _CANCEL)
-                return
-            except Exception:
-                log.exception("request body pump failed")
-                upload.broken = True
-                upload.conn.reset(upload.st, _CANCEL)
-                return
-            upload.finished = st.local_ended = True
-            if st.remote_ended:
-                conn.finish_stream(st)
-        if upload.scope.cancelled_caught and not body.ended and not upload.st.remote_ended:
-            # (An upstream that ended its response and then refused the rest of
-            # the request, RST_STREAM(NO_ERROR) as RFC 9113 8.1 allows, did not
-            # break the exchange: the body's owner refuses it once the response
-            # is out, and abandoning it here would reset that response.)
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await body.aclose()
+        try:
+            with upload.scope:
+                try:
+                    while True:
+                        chunk = await body.receive()
+                        conn, st = await upload.target()
+                        if not chunk:
+                            if body.trailers:
+                                conn.h2.send_headers(st.id, body.trailers, end_stream=True)
+                            else:
+                                conn.h2.end_stream(st.id)
+                            conn.kick()
+                            break
+                        last = body.ended and not body.trailers  # the common one-chunk body: END_STREAM with it
+                        upload.sent = True
+                        await conn.send_data(st, chunk, end_stream=last)
+                        if last:
+                            break
+                except (StreamReset, h2.exceptions.ProtocolError):
+                    # The client's upload broke, or the upstream stream went away.
+                    upload.broken = True
+                    upload.conn.reset(upload.st, _CANCEL)
+                    return
+                except Exception:
+                    log.exception("request body pump failed")
+                    upload.broken = True
+                    upload.conn.reset(upload.st, _CANCEL)
+                    return
+                upload.finished = st.local_ended = True
+                if st.remote_ended:
+                    conn.finish_stream(st)
+            if upload.scope.cancelled_caught and not body.ended and not upload.st.remote_ended:
+                # (An upstream that ended its response and then refused the rest of
+                # the request, RST_STREAM(NO_ERROR) as RFC 9113 8.1 allows, did not
+                # break the exchange: the body's owner refuses it once the response
+                # is out, and abandoning it here would reset that response.)
+                await abandon(body)
+        finally:
+            if not upload.finished:
+                body.discard()
 
 
 # -- HTTP/1.1 ---------------------------------------------------------------------------

@@ -18,14 +18,14 @@ import logging
 import h11
 import trio
 
-from blocks._h1 import H1Body, H1Stream
-from blocks._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, new_key
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
-from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, empty_body
-from blocks.multiplexer._config import PoolStatistics, UpstreamConfig
-from blocks.routing import Address
+from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, abandon, empty_body
+from blocks.transport import Address
+from blocks.transport._h1 import H1Body, H1Stream
+from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, new_key
+from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 
-log = logging.getLogger("blocks.multiplexer")
+log = logging.getLogger("blocks.transport.multiplexer")
 
 # Retried once when a kept-alive h1 connection turns out to be closed.
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
@@ -270,6 +270,7 @@ class _H1Pool:
             await trio.aclose_forcefully(conn.stream)
         finally:
             conn.pumping = False
+            body.discard()  # whatever it did not send (nothing, once it ended) will never be read
 
 
 class _StaleConnection(Exception):
@@ -325,11 +326,11 @@ class _H1Tunnel:
             failed = True  # the client's side broke, or the upstream's
         except BaseException:
             self.close()  # the pool is closing
+            body.discard()
             raise
         self.close()
         if failed and not body.ended:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await body.aclose()
+            await abandon(body)
 
 
 class _TunnelBody(Body):

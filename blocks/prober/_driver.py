@@ -1,6 +1,6 @@
 """The concurrency prober's trio driver: polls workers' load, feeds a :class:`LoadEstimator`.
 
-The decisions are sans-IO, in :mod:`blocks.load`; this module only puts them
+The decisions are sans-IO, in :mod:`blocks.prober._core`; this module only puts them
 on trio's clock and the network. :func:`open_prober` runs one task in a
 nursery of its own (service lifetime, never a request's): once an
 ``interval`` it sends ``GET /.proxyblocks/load`` to every worker at once over
@@ -29,7 +29,7 @@ import trio
 
 from blocks._sync import one_error
 from blocks.http import Request
-from blocks.load import (
+from blocks.prober._core import (
     LOAD_PATH,
     PROBE_HEADER,
     AutoscaleSignal,
@@ -40,8 +40,8 @@ from blocks.load import (
 )
 
 if TYPE_CHECKING:
-    from blocks.multiplexer import Upstreams
     from blocks.routing import Address, Replica
+    from blocks.transport.multiplexer import Upstreams
 
 log = logging.getLogger("blocks.prober")
 

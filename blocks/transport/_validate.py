@@ -9,7 +9,7 @@ ASCII, and one canonical lowercase authority that ``host`` (when present)
 agrees with. Every failure is a :class:`~blocks.errors.BadRequest` (400,
 or 431 for a head over the size or field-count cap) for that request alone.
 
-The HTTP/1.1 side (``blocks._h1server``) shares the caps and the authority
+The HTTP/1.1 side (``blocks.transport._h1server``) shares the caps and the authority
 rule; h11 checks the rest of its syntax.
 """
 

@@ -44,9 +44,6 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 
-from blocks._h1 import H1Body, H1Stream
-from blocks._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, valid_key
-from blocks._validate import check_authority, check_header_list_size, upgrade_required
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import (
     HOP_BY_HOP,
@@ -56,17 +53,21 @@ from blocks.http import (
     Headers,
     Request,
     Response,
+    abandon,
     empty_body,
     error_response,
     respond,
     strip_hop_by_hop,
 )
 from blocks.timing import Timing
+from blocks.transport._h1 import H1Body, H1Stream
+from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, valid_key
+from blocks.transport._validate import check_authority, check_header_list_size, upgrade_required
 
 if TYPE_CHECKING:
-    from blocks.listener import ListenerConfig
+    from blocks.transport.listener import ListenerConfig
 
-log = logging.getLogger("blocks.listener")
+log = logging.getLogger("blocks.transport.listener")
 
 _REASONS: dict[int, bytes] = {}
 _PATH = re.compile(rb"/[\x21-\x7e]*\Z")
@@ -74,11 +75,12 @@ _PATH = re.compile(rb"/[\x21-\x7e]*\Z")
 _END_OR_FOLD = re.compile(rb"\n(?:\r?\n|[ \t])")
 _ABSOLUTE = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)(.*)\Z", re.DOTALL)
 # After an answer that leaves the client's input unread, how long its input is
-# read and dropped before closing: at most _LINGER_SECONDS in all, and until
-# _LINGER_IDLE seconds pass without any (nginx's lingering_time and
-# lingering_timeout; see _linger).
+# read and dropped before closing: at most _LINGER_SECONDS and _LINGER_BYTES in
+# all, and until _LINGER_IDLE seconds pass without any (nginx's lingering_time
+# and lingering_timeout; see _linger).
 _LINGER_SECONDS = 10.0
 _LINGER_IDLE = 1.0
+_LINGER_BYTES = 64 * 1024 * 1024
 # Where h11 holds a request that asked to Upgrade (a documented state, left out of h11.__all__).
 _MIGHT_SWITCH = h11.MIGHT_SWITCH_PROTOCOL  # type: ignore[attr-defined]
 
@@ -368,29 +370,41 @@ async def _read_head(reader: H1Stream, config: ListenerConfig, drain: Any, *, fi
     return None, None  # drained while waiting
 
 
-async def _linger(stream: trio.abc.Stream) -> None:
+async def _linger(stream: trio.abc.Stream, drain: Any) -> None:
     """Shut our side, then drop what the client still sends, until it stops.
 
     Closing a socket with unread input makes the kernel reset it, which can
     destroy the answer still on its way to the client (RFC 9112 9.6): a
     client still sending a body it was told not to (or answered before it
     finished) would get a reset instead of its answer. So the input is read
-    and dropped until the client closes or goes quiet, within a bound: what
-    is in flight on a fast link is megabytes, so no byte count would do.
+    and dropped until the client closes or goes quiet, within bounds of time
+    and bytes (what is in flight on a fast link is megabytes). A drain cuts
+    it short. A relay's read of the body may still be leaving the socket (its
+    body was closed under it): the linger takes its turn after it.
     """
     if not isinstance(stream, trio.abc.HalfCloseableStream):
         return
-    with trio.move_on_after(_LINGER_SECONDS):
+    left = _LINGER_BYTES
+    with trio.move_on_after(_LINGER_SECONDS) as lingering:
+        drain.idle_scope = lingering
         try:
             await stream.send_eof()
-            while True:
+            while left > 0:
                 with trio.move_on_after(_LINGER_IDLE):
-                    if not await stream.receive_some(65536):
+                    try:
+                        data = await stream.receive_some(65536)
+                    except trio.BusyResourceError:
+                        await trio.sleep(0.01)
+                        continue
+                    if not data:
                         return
+                    left -= len(data)
                     continue
                 return  # quiet: whatever it still had to read, it has had the time to
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        finally:
+            drain.idle_scope = None
 
 
 async def serve_h1(
@@ -436,7 +450,7 @@ async def serve_h1(
                 broken = body.status
                 # Nothing of the handler's answer has been sent: the client's
                 # fault is the answer, not what a relay made of the cut upload.
-                await _abandon(response.body)
+                await abandon(response.body)
                 response.closed()
                 response = error_response(broken)
         else:
@@ -452,7 +466,7 @@ async def serve_h1(
             return
         finally:
             if not response.body.ended:
-                await _abandon(response.body)
+                await abandon(response.body)
             response.closed()
         early = request is not None and not request.body.ended  # answered before the upload ended
         if request is not None and early:
@@ -463,7 +477,7 @@ async def serve_h1(
         if request is None or broken is not None or early:
             # The client may still be sending what we will not read: closing
             # now would reset the connection under the answer it has yet to read.
-            await _linger(stream)
+            await _linger(stream, drain)
         return
 
 
@@ -509,13 +523,8 @@ async def _serve_tunnel(
         pass
     finally:
         if not out.ended:
-            await _abandon(out)
+            await abandon(out)
         response.closed()
-        await body.aclose()
-
-
-async def _abandon(body: Body) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
         await body.aclose()
 
 

@@ -17,7 +17,7 @@ Invariants:
   ``_Pipe.pending`` and goes when that window opens. So each splice holds at
   most one stream window of data per direction, and a slow reader throttles
   only its own sender.
-- Every byte received is acknowledged exactly once (see :mod:`blocks._h2`):
+- Every byte received is acknowledged exactly once (see :mod:`blocks.transport._h2`):
   as it is relayed, or, when the splice closes with bytes still pending
   (either side failed, or the exchange was refused), by ``_close``, which
   every way of ending goes through.
@@ -29,11 +29,15 @@ Invariants:
   (RFC 9113 8.1: it answered early and wants no more of the request) has
   not failed: what it sent is delivered in full, then the downstream
   stream ends and is reset with ``NO_ERROR`` in turn if its request had not.
+  So is any end of the upstream stream once its END_STREAM came (another
+  reset, the connection lost), as on the task path, where a response body
+  that ended is delivered whatever follows.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,12 +45,14 @@ import h2.errors
 import h2.exceptions
 import trio
 
-from blocks._h2 import BACKLOG_HIGH, acknowledge
 from blocks.errors import BlocksError
 from blocks.http import BytesBody, Headers, error_response
+from blocks.transport._h2 import BACKLOG_HIGH, acknowledge
 
 if TYPE_CHECKING:
-    from blocks._h2 import H2Driver, H2Stream
+    from blocks.transport._h2 import H2Driver, H2Stream
+
+log = logging.getLogger("blocks.h2")
 
 _CANCEL = h2.errors.ErrorCodes.CANCEL
 _NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
@@ -56,7 +62,7 @@ HeadFilter = Callable[[int, Headers], Headers]
 """Rewrites the response head on its way downstream (Server-Timing, ...)."""
 
 Tap = Callable[[bytes, bool, "Headers | None"], None]
-"""Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks._tap`)."""
+"""Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks.transport._tap`)."""
 
 
 class Sink(Protocol):
@@ -89,7 +95,7 @@ class Sink(Protocol):
 class _Pipe:
     """One direction of a splice: DATA and the end of stream, ``src`` -> ``dst``."""
 
-    __slots__ = ("done", "dst", "dst_st", "ended", "pending", "src", "src_st", "tap", "trailers")
+    __slots__ = ("done", "dst", "dst_st", "ended", "held", "pending", "src", "src_st", "tap", "trailers")
 
     def __init__(self, src: H2Driver, src_st: H2Stream, dst: H2Driver, dst_st: H2Stream) -> None:
         self.src = src
@@ -97,27 +103,32 @@ class _Pipe:
         self.dst = dst
         self.dst_st = dst_st
         self.pending: collections.deque[bytes] = collections.deque()
+        self.held = 0  # bytes received after the pipe was cut, kept unacknowledged until the splice closes
         self.ended = False
         self.done = False
         self.trailers: Headers | None = None
-        self.tap: Tap | None = None  # sees each chunk as it is relayed (blocks._tap); never blocks
+        self.tap: Tap | None = None  # sees each chunk as it is relayed (blocks.transport._tap); never blocks
 
     def feed(self, data: bytes, size: int, end: bool) -> None:
-        if self.tap is not None:
-            self.tap(data, end, None)
-        padding = size - len(data)
-        if padding:
-            acknowledge(self.src.h2, padding, self.src_st.id)
-        if end:
-            self.ended = True
-        if data:
-            if self.pending:
-                self.pending.append(data)
-                return
-            if not self._push(data):
-                return
-        if self.ended and not self.done and not self.pending:
-            self._finish()
+        # The bytes are the pipe's (relayed, or pending) before a tap, which may
+        # be a user's and raise, sees them: a failure then leaves nothing unowned.
+        try:
+            padding = size - len(data)
+            if padding:
+                acknowledge(self.src.h2, padding, self.src_st.id)
+            if end:
+                self.ended = True
+            if data:
+                if self.pending:
+                    self.pending.append(data)
+                    return
+                if not self._push(data):
+                    return
+            if self.ended and not self.done and not self.pending:
+                self._finish()
+        finally:
+            if self.tap is not None:
+                self.tap(data, end, None)
 
     def _push(self, data: bytes) -> bool:
         """Send as much of ``data`` as the windows allow; keep the rest. True if all went.
@@ -190,11 +201,12 @@ class _Pipe:
             self._finish()
 
     def release(self) -> None:
-        """Give back what is pending: it will never be relayed."""
+        """Give back what is pending or held: it will never be relayed."""
         pending = self.pending
-        if pending:
-            size = sum(map(len, pending))
+        if pending or self.held:
+            size = sum(map(len, pending)) + self.held
             pending.clear()
+            self.held = 0
             src = self.src
             if not src.closed:
                 acknowledge(src.h2, size, self.src_st.id)
@@ -257,7 +269,12 @@ class Splice:
     def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None:
         pipe = self.request if st is self.down_st else self.response
         if self.closed or pipe.done:
-            acknowledge(driver.h2, size, st.id)
+            if self.cut and not self.closed:
+                # The upstream refused the rest of the request: kept until our reset
+                # (then only the connection's window reopens), so the client stops.
+                pipe.held += size
+            else:
+                acknowledge(driver.h2, size, st.id)
             return
         try:
             pipe.feed(data, size, end)
@@ -322,7 +339,7 @@ class Splice:
         """One side's stream died (reset by its peer, timed out, connection lost)."""
         if self.closed:
             return
-        if driver is self.up and self.response.ended and getattr(error, "code", None) == _NO_ERROR:
+        if driver is self.up and self.response.ended:
             self._answered_early()
             return
         self.closed = True
@@ -347,15 +364,16 @@ class Splice:
     # -- internals ---------------------------------------------------------------------
 
     def _answered_early(self) -> None:
-        """The upstream sent its whole response, then RST_STREAM(NO_ERROR) (RFC 9113 8.1).
+        """The upstream sent its whole response, then its stream went: RST_STREAM(NO_ERROR) (RFC 9113
+        8.1: it wants no more of the request), or any reset or loss once its END_STREAM came.
 
-        Its stream is gone, but what it sent is ours to deliver: the response
-        pipe goes on as the downstream window allows. The request ends here;
-        the downstream stream is reset with NO_ERROR after the response's end
-        if its request had not ended.
+        What it sent is ours to deliver: the response pipe goes on as the
+        downstream window allows, as the task path delivers a response that
+        ended. The request ends here; the downstream stream is reset with
+        NO_ERROR after the response's end if its request had not ended, and
+        what the client sent meanwhile is given back only then.
         """
         request = self.request
-        request.release()
         if not request.done:
             request.done = True
             self.cut = not request.ended
@@ -364,13 +382,6 @@ class Splice:
     def _upstream_failed(self, error: BaseException) -> None:
         down, st = self.down, self.down_st
         if st.closed or down.closed:
-            return
-        if self.response.done:
-            # The response is complete; an early end of the request side is fine.
-            if self.request.done:
-                down.finish_stream(st)
-            else:
-                down.reset(st, _NO_ERROR)
             return
         self._answer(error.status if isinstance(error, BlocksError) else 502)
 
@@ -428,4 +439,7 @@ class Splice:
         self.response.release()
         callback, self.on_close = self.on_close, None
         if callback is not None:
-            callback()
+            try:
+                callback()
+            except Exception:  # (it may run a user's tee): the splice is closed all the same
+                log.exception("a splice's close callback failed")

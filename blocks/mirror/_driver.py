@@ -4,7 +4,7 @@
 (``serve_proxy(..., mirror=MirrorConfig())`` does it for you). The proxy asks
 it, once per request and only for apps whose settings record has a
 ``mirror`` field (:class:`~blocks.routing.MirrorSetting`), whether to copy
-the request; a copied request gets a tee (:class:`~blocks._tap.Tee`) that
+the request; a copied request gets a tee (:class:`~blocks.transport._tap.Tee`) that
 watches the primary exchange go by, and a shadow task that sends the copy
 (none for a copy without a body once the mirror's pool has a free slot:
 the pool's reader reads its answer where it arrives, see :class:`_Sink`).
@@ -18,7 +18,7 @@ Guarantees:
   the primary. The shadow's response is read by the shadow task, and
   compared there.
 - **A shadow never takes a primary's resources.** Shadows go through the
-  mirror's own :class:`~blocks.multiplexer.Upstreams` (its own connections,
+  mirror's own :class:`~blocks.transport.multiplexer.Upstreams` (its own connections,
   stream slots and flow-control windows), never the proxy's: a shadow that
   does not read stalls only its own connection to the shadow. At most
   ``max_in_flight`` shadows run at once; past that a request is not copied
@@ -40,11 +40,11 @@ Guarantees:
 Comparison: for every pair whose two sides completed, the status, the
 setting's ``compare`` header fields, the body length and a ``blake2b``
 hash, and the latency of both (from the routing decision to the end of
-each body) go to :class:`~blocks.tee.ComparisonBook`:
+each body) go to :class:`~blocks.mirror._core.ComparisonBook`:
 ``statistics().routes`` has the match and mismatch counts per route and the
 latency ratio; ``on_mismatch`` gets at most ``report_limit`` mismatching
 pairs per ``report_interval`` seconds. The decisions and the bookkeeping
-are sans-IO, in :mod:`blocks.tee`.
+are sans-IO, in :mod:`blocks.mirror._core`.
 """
 
 from __future__ import annotations
@@ -57,14 +57,10 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from blocks._h2 import H2Driver, H2Stream, acknowledge
 from blocks._sync import one_error
 from blocks.errors import BlocksError, UpstreamTimeout
 from blocks.http import Headers, Request, StreamBody
-from blocks.multiplexer import UpstreamConfig, Upstreams, open_upstreams
-from blocks.routing import Address, LeastInFlight, MirrorSetting, Routes
-from blocks.routing._table import host_of
-from blocks.tee import (
+from blocks.mirror._core import (
     BodyDigest,
     ComparisonBook,
     MirrorPair,
@@ -77,6 +73,10 @@ from blocks.tee import (
     route_name,
     select_headers,
 )
+from blocks.routing import Address, LeastInFlight, MirrorSetting, Routes
+from blocks.routing._table import host_of
+from blocks.transport._h2 import H2Driver, H2Stream, acknowledge
+from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 
 log = logging.getLogger("blocks.mirror")
 
@@ -102,7 +102,7 @@ class MirrorConfig:
     - ``header``, ``host_suffix``: how shadow requests are marked (``""``: no suffix).
     - ``sample_bytes``: the first bytes of each body kept in a compared pair.
     - ``on_mismatch``: called with each reported mismatching
-      :class:`~blocks.tee.MirrorPair`, at most ``report_limit`` per
+      :class:`~blocks.mirror._core.MirrorPair`, at most ``report_limit`` per
       ``report_interval``; it runs in a shadow task, must not block, and its
       exceptions are logged.
     - ``max_connections``: the shadow pool's connections per shadow address.
@@ -145,7 +145,7 @@ class MirrorStatistics:
     shadow app has no replica. ``in_flight`` and ``buffered`` (bytes) are
     now. ``reported``/``unreported``: mismatches given to ``on_mismatch`` or
     not (over its budget). ``routes``: per route, see
-    :class:`~blocks.tee.RouteComparison`.
+    :class:`~blocks.mirror._core.RouteComparison`.
     """
 
     in_flight: int
@@ -256,7 +256,7 @@ class _Shadow:
         if self.done is not None:
             self.done.set()
 
-    # -- the primary's side (blocks._tap.Tee) ----------------------------------------------
+    # -- the primary's side (blocks.transport._tap.Tee) ----------------------------------------------
 
     def request(self, data: bytes, end: bool, trailers: Headers | None) -> None:
         if self.request_ended or self.outcome is not None:
@@ -571,7 +571,7 @@ class Mirror:
 
 
 class _Sink:
-    """A body-less shadow, sent once its primary is over and read with no task (a :class:`blocks._splice.Sink`).
+    """A body-less shadow, sent once its primary is over and read with no task (a ``_splice.Sink``).
 
     The shadow pool's reader hands it the response as it arrives: the head's
     compared fields and the body's digest are taken on the spot, the window

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from blocks._h1server import serve_h1
-from blocks._h2 import H2ConnectionStatistics, Relay
-from blocks._h2server import H2ServerConnection
 from blocks.http import Handler
+from blocks.transport._h1server import serve_h1
+from blocks.transport._h2 import H2ConnectionStatistics, Relay
+from blocks.transport._h2server import H2ServerConnection
 
 if TYPE_CHECKING:
-    from blocks.multiplexer import Upstreams
+    from blocks.transport.multiplexer import Upstreams
 
-log = logging.getLogger("blocks.listener")
+log = logging.getLogger("blocks.transport.listener")
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -60,7 +60,7 @@ class ListenerConfig:
 
     ``validate``: check every inbound head fully (RFC 9113 field and
     pseudo-header rules, the header-list cap, one canonical authority; see
-    :mod:`blocks._validate`). On for anything a stranger can reach; internal
+    :mod:`blocks.transport._validate`). On for anything a stranger can reach; internal
     hops that only hear from a validating hop turn it off, which is where a
     chain's speed comes from.
     """
@@ -295,7 +295,7 @@ async def serve_http(
     context). Returns once a drain has finished.
 
     ``relay`` is a hop's optional fast path for HTTP/2 requests (see
-    :mod:`blocks._splice`): tried first, synchronously, for every h2 request
+    :mod:`blocks.transport._splice`): tried first, synchronously, for every h2 request
     with a valid head; when it declines, ``handler`` serves the request.
     ``upstreams``: the hop's pools, kept on the server for their statistics.
     """

@@ -23,16 +23,16 @@ import h2.events
 import h2.exceptions
 import trio
 
-from blocks._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, acknowledge, flush_marked, make_h2
-from blocks._validate import validate_request_head, validate_trailers
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
-from blocks.http import Body, Handler, Request, Response, empty_body, error_response, respond
+from blocks.http import Handler, Request, Response, abandon, empty_body, error_response, respond
 from blocks.timing import Timing
+from blocks.transport._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, acknowledge, flush_marked, make_h2
+from blocks.transport._validate import validate_request_head, validate_trailers
 
 if TYPE_CHECKING:
-    from blocks.listener import ListenerConfig
+    from blocks.transport.listener import ListenerConfig
 
-log = logging.getLogger("blocks.listener")
+log = logging.getLogger("blocks.transport.listener")
 
 _STATUS = {code: b"%d" % code for code in range(100, 600)}
 _CANCEL = h2.errors.ErrorCodes.CANCEL
@@ -432,11 +432,11 @@ class H2ServerConnection(H2Driver):
                     if isinstance(refused, StreamReset) and refused.status < 500 and response.status >= 500:
                         # The client's upload was refused (over the limit, not matching its
                         # length): that is the answer, not whatever a relay made of the cut.
-                        await _abandon(response.body)
+                        await abandon(response.body)
                         response.closed()
                         response = error_response(refused.status)
                 if request.method == b"HEAD" and not response.body.ended:
-                    await _abandon(response.body)
+                    await abandon(response.body)
                     response.body = empty_body()
                 await self._send_response(st, response)
                 sent = True
@@ -465,10 +465,13 @@ class H2ServerConnection(H2Driver):
                     else:
                         self.reset(st, _NO_ERROR)
                 if not response.body.ended:
-                    await _abandon(response.body)
+                    await abandon(response.body)
                 response.closed()
-            if st.body is not None:
-                st.body.discard()
+            body = st.body
+            if body is not None and not (body.claimed and body.received_all):
+                # Nobody started reading it, or it did not end: nobody will read it now. (A body
+                # that ended is left to a reader that started it: a relay's pump still sending it.)
+                body.discard()
 
     async def _send_response(self, st: H2Stream, response: Response) -> None:
         headers = [(b":status", _STATUS[response.status])]
@@ -488,8 +491,3 @@ class H2ServerConnection(H2Driver):
 
 def _length_mismatch(received: int, expected: int) -> StreamReset:
     return StreamReset(f"body of {received}+ bytes where content-length says {expected}", status=400)
-
-
-async def _abandon(body: Body) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        await body.aclose()

@@ -44,15 +44,15 @@ from typing import Any
 import attrs
 import trio
 
-from blocks._h2 import H2Driver, H2Stream
-from blocks._splice import HeadFilter, Sink
 from blocks.http import Headers, Request, Response
-from blocks.multiplexer._config import PoolStatistics, UpstreamConfig
-from blocks.multiplexer._h1pool import _H1Pool
-from blocks.multiplexer._h2pool import _H2Pool
-from blocks.routing import Address
+from blocks.transport import Address
+from blocks.transport._h2 import H2Driver, H2Stream
+from blocks.transport._splice import HeadFilter, Sink
+from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.transport.multiplexer._h1pool import _H1Pool
+from blocks.transport.multiplexer._h2pool import _H2Pool
 
-log = logging.getLogger("blocks.multiplexer")
+log = logging.getLogger("blocks.transport.multiplexer")
 
 __all__ = ["PoolStatistics", "UpstreamConfig", "Upstreams", "open_upstreams"]
 

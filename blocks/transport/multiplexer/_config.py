@@ -6,10 +6,10 @@ import logging
 
 import attrs
 
-from blocks._h2 import H2ConnectionStatistics
-from blocks.routing import Address
+from blocks.transport import Address
+from blocks.transport._h2 import H2ConnectionStatistics
 
-log = logging.getLogger("blocks.multiplexer")
+log = logging.getLogger("blocks.transport.multiplexer")
 
 
 @attrs.frozen(kw_only=True)

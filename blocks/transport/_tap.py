@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from blocks._splice import Tap
 from blocks.http import Body, Headers
+from blocks.transport._splice import Tap
 
 if TYPE_CHECKING:
-    from blocks._h2 import H2Stream
+    from blocks.transport._h2 import H2Stream
 
 __all__ = ["Tap", "TappedBody", "Tee", "tap_splice"]
 
@@ -109,3 +109,6 @@ class TappedBody(Body):
             if self._on_error is not None:
                 self._on_error()
         await self._inner.aclose()
+
+    def discard(self) -> None:
+        self._inner.discard()

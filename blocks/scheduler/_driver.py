@@ -1,7 +1,7 @@
 """The fair scheduler's trio driver: :class:`Scheduler` and tenant keys.
 
-The decisions are made by the sans-IO :class:`~blocks.fair_queue.FairQueue`
-(see :mod:`blocks.fair_queue` for the theory, the guarantees and why deficit
+The decisions are made by the sans-IO :class:`~blocks.scheduler._core.FairQueue`
+(see :mod:`blocks.scheduler._core` for the theory, the guarantees and why deficit
 round robin); this module puts it on trio's clock, lets a request wait its
 turn without a cancel scope per waiter, and reads tenants from requests.
 """
@@ -17,7 +17,7 @@ import outcome
 import trio
 
 from blocks._sync import Signal, one_error
-from blocks.fair_queue import (
+from blocks.scheduler._core import (
     FairQueue,
     Grant,
     QueueFull,

@@ -1,0 +1,47 @@
+"""The three hops of the chain: edge, proxy and worker.
+
+Each hop is a :class:`Hop`: a synchronous ``decide(request) -> Forward``
+around a shared :class:`~blocks.transport.multiplexer.Upstreams`, carried out by the
+hop's fast path (``relay``) or handler (``handle``), and a ``serve_*``
+function that runs it on a listener::
+
+    client --h1/h2/TLS--> Edge --h2--> Proxy --h2--> Worker --h2|h1--> replica
+
+- :class:`Edge` faces the clients: the listener validates every head there,
+  the edge drops hop-by-hop and internal (``x-proxyblocks-*``) fields, sets
+  ``x-forwarded-for``/``x-forwarded-proto``, and sends everything to the
+  proxy over pooled h2.
+- :class:`Proxy` maps the authority to an app and the app to a replica
+  (in memory), and forwards to the replica's worker, naming the replica in
+  ``x-proxyblocks-replica``.
+- :class:`Worker` relays each stream to its local replica over h2 or h1 and
+  counts what is in flight per replica.
+
+Behind the edge every hop trusts the one before it: heads are validated
+once, at the edge, and internal listeners run with ``validate=False``.
+Each hop appends its entries to the response's ``server-timing`` header
+(see :mod:`blocks.timing`).
+"""
+
+from blocks.hops._hop import INTERNAL_LISTENER, INTERNAL_PREFIX, Forward, Hop
+from blocks.hops.edge import Edge, EdgeConfig, serve_edge
+from blocks.hops.proxy import Proxy, ProxyConfig, ProxyStatistics, serve_proxy
+from blocks.hops.worker import LocalReplica, Worker, WorkerStatistics, serve_worker
+
+__all__ = [
+    "INTERNAL_LISTENER",
+    "INTERNAL_PREFIX",
+    "Edge",
+    "EdgeConfig",
+    "Forward",
+    "Hop",
+    "LocalReplica",
+    "Proxy",
+    "ProxyConfig",
+    "ProxyStatistics",
+    "Worker",
+    "WorkerStatistics",
+    "serve_edge",
+    "serve_proxy",
+    "serve_worker",
+]

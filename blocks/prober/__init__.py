@@ -1,0 +1,48 @@
+"""The concurrency prober: replicas' free concurrency, merged with the routing decisions made since.
+
+The load report format, the estimator (:class:`LoadEstimator`), the
+:class:`ProberAware` policy and the autoscale signal are sans-IO in
+``_core.py``; the trio driver that polls every worker (:class:`Prober`,
+:func:`open_prober`) is ``_driver.py``. See docs/prober.md.
+"""
+
+from blocks.prober._core import (
+    LOAD_PATH,
+    PROBE_HEADER,
+    AppAutoscale,
+    AutoscaleConfig,
+    AutoscaleSignal,
+    AutoscaleStatistics,
+    LoadEstimator,
+    LoadReport,
+    LoadStatistics,
+    ProberAware,
+    ProberConfig,
+    ReplicaEstimate,
+    ReplicaLoad,
+    encode_load,
+    parse_load,
+)
+from blocks.prober._driver import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
+
+__all__ = [
+    "LOAD_PATH",
+    "PROBE_HEADER",
+    "AppAutoscale",
+    "AutoscaleConfig",
+    "AutoscaleSignal",
+    "AutoscaleStatistics",
+    "LoadEstimator",
+    "LoadReport",
+    "LoadStatistics",
+    "Prober",
+    "ProberAware",
+    "ProberConfig",
+    "ProberStatistics",
+    "ReplicaEstimate",
+    "ReplicaLoad",
+    "WorkerProbeStatistics",
+    "encode_load",
+    "open_prober",
+    "parse_load",
+]
