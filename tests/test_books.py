@@ -145,13 +145,27 @@ class Peer:
             ps.unread = 0
 
     def send(self, ps: PeerStream, chunks: int, counter: Iterator[int]) -> None:
-        """Send up to ``chunks`` chunks on ``ps`` as the windows allow, each unlike any other."""
+        """Send up to ``chunks`` chunks on ``ps`` as the windows allow, each unlike any other.
+
+        Every third frame is padded (padding counts against the windows, and
+        is acknowledged apart from the data it pads).
+        """
         for _ in range(chunks):
+            n = next(counter)
+            data = n.to_bytes(4, "big") * ((CHUNK - 256) // 4)
+            pad = (n * 37) % 256 if n % 3 == 0 else 0
             if not ps.open or ps.ended_local or self.conn.local_flow_control_window(ps.sid) < CHUNK:
                 return
-            data = next(counter).to_bytes(4, "big") * (CHUNK // 4)
-            self.conn.send_data(ps.sid, data)
+            self.conn.send_data(ps.sid, data, pad_length=pad or None)
             ps.sent += data
+
+    def end(self, ps: PeerStream, trailers: bool) -> None:
+        """END_STREAM on ``ps``: bare, or with trailers."""
+        ps.ended_local = True
+        if trailers:
+            self.conn.send_headers(ps.sid, [(b"x-trailer", b"%d" % ps.sid)], end_stream=True)
+        else:
+            self.conn.end_stream(ps.sid)
 
 
 @attrs.define
@@ -260,25 +274,23 @@ class HopBooks(RuleBasedStateMachine):
         self.act(mutate)
         return sid
 
-    @rule(sid=exchanges, chunks=st.integers(1, 6), end=st.booleans())
-    def client_sends(self, sid: int, chunks: int, end: bool) -> None:
-        """Up to ``chunks`` chunks of the request body, as the windows allow; then its end, with ``end``."""
+    @rule(sid=exchanges, chunks=st.integers(1, 6), end=st.sampled_from(["", "end", "trailers"]))
+    def client_sends(self, sid: int, chunks: int, end: str) -> None:
+        """Up to ``chunks`` chunks of the request body, as the windows allow; then, with ``end``, its end."""
         ps = self.client.streams[sid]
 
         def mutate() -> None:
             self.client.send(ps, chunks, self.counter)
             if end and ps.open and not ps.ended_local:
-                ps.ended_local = True
-                self.client.conn.end_stream(sid)
+                self.client.end(ps, end == "trailers")
 
         self.act(mutate)
 
-    @rule(sid=exchanges)
-    def client_ends(self, sid: int) -> None:
+    @rule(sid=exchanges, trailers=st.booleans())
+    def client_ends(self, sid: int, trailers: bool) -> None:
         ps = self.client.streams[sid]
         if ps.open and not ps.ended_local:
-            ps.ended_local = True
-            self.act(lambda: self.client.conn.end_stream(sid))
+            self.act(lambda: self.client.end(ps, trailers))
 
     @rule(sid=exchanges, code=st.sampled_from(CODES))
     def client_resets(self, sid: int, code: int) -> None:
@@ -306,8 +318,7 @@ class HopBooks(RuleBasedStateMachine):
             ps.ended_local = chunks == 0
             if chunks > 0:
                 self.server.send(ps, chunks, self.counter)
-                self.server.conn.end_stream(ps.sid)
-                ps.ended_local = True
+                self.server.end(ps, trailers=chunks % 2 == 0)
             if chunks >= 0 and early and not ps.ended_remote:
                 self._early(ps)
 
@@ -336,7 +347,7 @@ class HopBooks(RuleBasedStateMachine):
         early = early and not ps.ended_remote
 
         def mutate() -> None:
-            self.server.conn.end_stream(ps.sid)
+            self.server.end(ps, trailers=False)
             if early:
                 self._early(ps)
 
@@ -456,7 +467,7 @@ async def test_a_whole_request_answered_before_it_is_read_still_arrives_whole(nu
 
     def steps(machine: HopBooks) -> None:
         sid = machine.open(b"/task", 3)
-        machine.client_sends(sid, 3, True)
+        machine.client_sends(sid, 3, "end")
         machine.server_answers(sid, 0, False)
 
     with trio.fail_after(60):

@@ -16,8 +16,10 @@ import h2.frame_buffer
 import h2.stream
 import h2.windows
 import pytest
+import trio
+import trio.testing
 
-from blocks.transport._h2 import GuardedFrameBuffer, make_h2
+from blocks.transport._h2 import GuardedFrameBuffer, H2Driver, acknowledge, make_h2
 
 
 def relied_on(owner: object, name: str, where: str) -> object:
@@ -57,8 +59,19 @@ def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method
 
 
 def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
-    conn = make_h2(client_side=True, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
-    window = relied_on(conn, "_inbound_flow_control_window_manager", "blocks/transport/_h2.py (H2Driver.statistics)")
+    server = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
+    window = relied_on(server, "_inbound_flow_control_window_manager", "H2Driver.statistics in transport/_h2.py")
     assert isinstance(window, h2.windows.WindowManager)
     for name in ("max_window_size", "current_window_size", "_bytes_processed"):
         assert isinstance(getattr(window, name, None), int), f"WindowManager.{name} (H2Driver.statistics)"
+    # And they mean what the statistics make of them: 1000 bytes held, then none.
+    driver = H2Driver(trio.testing.memory_stream_pair()[0], server, connection_window=1 << 24)
+    driver.start()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "a"), (":path", "/")])
+    client.send_data(1, b"x" * 1000)
+    server.receive_data(client.data_to_send())
+    assert driver.statistics().unacknowledged == 1000
+    acknowledge(server, 1000, 1)
+    assert driver.statistics().unacknowledged == 0
