@@ -22,7 +22,9 @@ from blocks.hops import (
     LocalReplica,
     Proxy,
     ProxyConfig,
+    ProxyStatistics,
     Worker,
+    WorkerStatistics,
     serve_edge,
     serve_proxy,
     serve_worker,
@@ -150,7 +152,9 @@ from blocks.tokens import (
     TokenVerifierConfig,
     TokenVerifierStatistics,
 )
-from blocks.transport._h2 import H2ConnectionStatistics
+from blocks.transport._h2 import H2ConnectionStatistics, H2Driver, H2Stream, Relay
+from blocks.transport._splice import Sink
+from blocks.transport._tap import Tee
 from blocks.transport.listener import HTTPServer, ListenerConfig, ServerStatistics, serve_http
 from blocks.transport.multiplexer import PoolStatistics, UpstreamConfig, Upstreams, open_upstreams
 from blocks.transport.tls import make_self_signed, server_context
@@ -271,10 +275,18 @@ __all__ = [
     "LocalReplica",
     "Proxy",
     "ProxyConfig",
+    "ProxyStatistics",
     "Worker",
+    "WorkerStatistics",
     "serve_edge",
     "serve_proxy",
     "serve_worker",
+    # the fast path (what a hop's relay and a pool's splice take)
+    "H2Driver",
+    "H2Stream",
+    "Relay",
+    "Sink",
+    "Tee",
     # mirror tee
     "MIRROR_HEADER",
     "Mirror",

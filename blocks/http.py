@@ -34,7 +34,7 @@ from blocks.errors import BlocksError, StreamReset
 if TYPE_CHECKING:
     from blocks.timing import Timing
 
-log = logging.getLogger("blocks.transport.listener")
+log = logging.getLogger("blocks.listener")
 
 Headers = list[tuple[bytes, bytes]]
 """Lowercase header names and their values, in wire order."""
@@ -71,6 +71,14 @@ class Body:
         """Nobody will read this body any more: drop what it holds (its window goes back). Never blocks.
 
         Unlike :meth:`aclose`, it does not tell the producer to stop.
+        """
+
+    def claim(self) -> None:
+        """A reader that outlives the handler takes the body over (a relay's pump in a pool's nursery).
+
+        From then on that reader reads the body to its end, closes it, or
+        discards what it leaves: the listener no longer discards a body that
+        arrived whole once the handler is done. Never blocks.
         """
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -161,9 +169,10 @@ class StreamBody(Body):
     delivers nothing more), by :meth:`aclose`, or by :meth:`discard` (its
     owner knows nobody will read it). A body that ended cleanly keeps its
     bytes for the consumer, so whoever owns it reads it to the end, closes
-    it, or discards it: the listener discards a request body nobody started
-    reading (``claimed``) once its handler is done, and a reader that
-    started (a relay's body pump) discards what it leaves when it stops.
+    it, or discards it: the listener discards a request body once its
+    handler is done, unless a reader that outlives the handler took it over
+    (:meth:`claim`: a relay's body pump), which then discards what it leaves
+    when it stops.
     """
 
     __slots__ = ("_chunks", "_claimed", "_ended", "_error", "_signal", "on_abandon", "on_consumed")
@@ -177,7 +186,7 @@ class StreamBody(Body):
     ) -> None:
         super().__init__(length)
         self._chunks: collections.deque[bytes] = collections.deque()
-        self._claimed = False  # a reader started: it reads to the end, closes or discards
+        self._claimed = False  # a reader that outlives the handler took it over (claim)
         self._ended = False
         self._error: BaseException | None = None
         self._signal = Signal()
@@ -249,8 +258,11 @@ class StreamBody(Body):
 
     @property
     def claimed(self) -> bool:
-        """Whether a reader started reading: then that reader reads it to the end, or closes or discards it."""
+        """Whether a reader that outlives the handler took it over (:meth:`claim`)."""
         return self._claimed
+
+    def claim(self) -> None:
+        self._claimed = True
 
     @property
     def buffered(self) -> int:
@@ -258,7 +270,6 @@ class StreamBody(Body):
         return sum(map(len, self._chunks))
 
     async def receive(self) -> bytes:
-        self._claimed = True
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()

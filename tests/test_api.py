@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import types
@@ -134,3 +135,36 @@ def test_the_transport_layer_imports_no_block() -> None:
         found = {name for name in _imported_modules(path) if name == "blocks" or name.startswith("blocks.")}
         stray = {name for name in found if not name.startswith(TRANSPORT_MAY_IMPORT)}
         assert not stray, f"{path.relative_to(BLOCKS)} imports {sorted(stray)}"
+
+
+def _named_types(annotation: object) -> set[str]:
+    """The capitalised names in an annotation (hints are strings: ``from __future__ import annotations``)."""
+    return set(re.findall(r"\b([A-Z][A-Za-z0-9_]*)\b", str(annotation)))
+
+
+def test_every_type_a_public_signature_names_is_exported() -> None:
+    """What a public function or method takes or returns, a user can import from ``blocks``."""
+    exported = set(blocks.__all__)
+    ours = {
+        name
+        for module_name, module in list(sys.modules.items())
+        if module_name == "blocks" or module_name.startswith("blocks.")
+        for name, value in vars(module).items()
+        if isinstance(value, type) and getattr(value, "__module__", "").startswith("blocks")
+    }
+    missing: dict[str, list[str]] = {}
+    for name in blocks.__all__:
+        value = getattr(blocks, name)
+        members = [(name, value)] if not isinstance(value, type) else []
+        if isinstance(value, type):
+            for attr, member in vars(value).items():
+                if attr.startswith("_") and attr != "__init__":
+                    continue
+                member = member.fget if isinstance(member, property) else member
+                if callable(member):
+                    members.append((f"{name}.{attr}", member))
+        for label, function in members:
+            for annotation in getattr(function, "__annotations__", {}).values():
+                for named in _named_types(annotation) & ours - exported:
+                    missing.setdefault(named, []).append(label)
+    assert missing == {}, missing

@@ -67,7 +67,7 @@ from blocks.transport._validate import check_authority, check_header_list_size, 
 if TYPE_CHECKING:
     from blocks.transport.listener import ListenerConfig
 
-log = logging.getLogger("blocks.transport.listener")
+log = logging.getLogger("blocks.listener")
 
 _REASONS: dict[int, bytes] = {}
 _PATH = re.compile(rb"/[\x21-\x7e]*\Z")

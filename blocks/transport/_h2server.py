@@ -32,7 +32,7 @@ from blocks.transport._validate import validate_request_head, validate_trailers
 if TYPE_CHECKING:
     from blocks.transport.listener import ListenerConfig
 
-log = logging.getLogger("blocks.transport.listener")
+log = logging.getLogger("blocks.listener")
 
 _STATUS = {code: b"%d" % code for code in range(100, 600)}
 _CANCEL = h2.errors.ErrorCodes.CANCEL

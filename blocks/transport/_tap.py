@@ -112,3 +112,6 @@ class TappedBody(Body):
 
     def discard(self) -> None:
         self._inner.discard()
+
+    def claim(self) -> None:
+        self._inner.claim()

@@ -38,7 +38,7 @@ from blocks.transport._h2server import H2ServerConnection
 if TYPE_CHECKING:
     from blocks.transport.multiplexer import Upstreams
 
-log = logging.getLogger("blocks.transport.listener")
+log = logging.getLogger("blocks.listener")
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 

@@ -52,7 +52,7 @@ from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 from blocks.transport.multiplexer._h1pool import _H1Pool
 from blocks.transport.multiplexer._h2pool import _H2Pool
 
-log = logging.getLogger("blocks.transport.multiplexer")
+log = logging.getLogger("blocks.multiplexer")
 
 __all__ = ["PoolStatistics", "UpstreamConfig", "Upstreams", "open_upstreams"]
 

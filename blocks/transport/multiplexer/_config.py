@@ -9,7 +9,7 @@ import attrs
 from blocks.transport import Address
 from blocks.transport._h2 import H2ConnectionStatistics
 
-log = logging.getLogger("blocks.transport.multiplexer")
+log = logging.getLogger("blocks.multiplexer")
 
 
 @attrs.frozen(kw_only=True)

@@ -25,7 +25,7 @@ from blocks.transport._h1 import H1Body, H1Stream
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, new_key
 from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 
-log = logging.getLogger("blocks.transport.multiplexer")
+log = logging.getLogger("blocks.multiplexer")
 
 # Retried once when a kept-alive h1 connection turns out to be closed.
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
@@ -194,6 +194,7 @@ class _H1Pool:
         if accepts != [accept_token(key)] or b"websocket" not in comma_tokens(answer, b"upgrade"):
             raise UpstreamProtocolError(f"{self.address} switched protocols without accepting the WebSocket key")
         tunnel = _H1Tunnel(self, conn, conn.h11.trailing_data[0])
+        body.claim()  # the pump reads it to the end or discards what it leaves
         self.nursery.start_soon(tunnel.pump, body)
         fields = [(n, v) for n, v in answer if n not in HOP_BY_HOP and n not in _OWN_FIELDS]
         return Response(200, fields, tunnel.body)
@@ -217,6 +218,7 @@ class _H1Pool:
             else:
                 await conn.stream.send_all(data)
                 conn.pumping = True
+                body.claim()  # the pump reads it to the end or discards what it leaves
                 self.nursery.start_soon(self._pump, conn, body)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _StaleConnection from exc

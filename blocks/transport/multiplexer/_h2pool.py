@@ -20,7 +20,7 @@ from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked, 
 from blocks.transport._splice import HeadFilter, Sink, Splice
 from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 
-log = logging.getLogger("blocks.transport.multiplexer")
+log = logging.getLogger("blocks.multiplexer")
 
 _CANCEL = h2.errors.ErrorCodes.CANCEL
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
@@ -312,6 +312,7 @@ class _Upload:
     __slots__ = ("_moved", "body", "broken", "conn", "finished", "scope", "sent", "st")
 
     def __init__(self, body: Body, conn: H2ClientConnection, st: H2Stream) -> None:
+        body.claim()  # the pump, in the pool's nursery, reads it to the end or discards what it leaves
         self.body = body
         self.conn = conn
         self.st = st
