@@ -43,10 +43,18 @@ from blocks.http import (
     respond,
     text_response,
 )
-from blocks.mirror import MIRROR_HEADER, Mirror, MirrorConfig, MirrorStatistics, open_mirror
-from blocks.mirror._core import MirrorPair, Observation, RouteComparison, Sampler
-from blocks.prober import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
-from blocks.prober._core import (
+from blocks.mirror import (
+    MIRROR_HEADER,
+    Mirror,
+    MirrorConfig,
+    MirrorPair,
+    MirrorStatistics,
+    Observation,
+    RouteComparison,
+    Sampler,
+    open_mirror,
+)
+from blocks.prober import (
     LOAD_PATH,
     PROBE_HEADER,
     AppAutoscale,
@@ -56,11 +64,15 @@ from blocks.prober._core import (
     LoadEstimator,
     LoadReport,
     LoadStatistics,
+    Prober,
     ProberAware,
     ProberConfig,
+    ProberStatistics,
     ReplicaEstimate,
     ReplicaLoad,
+    WorkerProbeStatistics,
     encode_load,
+    open_prober,
     parse_load,
 )
 from blocks.routing import (
@@ -91,17 +103,21 @@ from blocks.routing import (
     route_key_for_replica,
     route_key_for_settings,
 )
-from blocks.scheduler import Scheduler, TenantKey, header_tenant, open_scheduler, token_tenant
-from blocks.scheduler._core import (
+from blocks.scheduler import (
     FairQueue,
     Grant,
     QueueFull,
     QueueTimeout,
+    Scheduler,
     SchedulerConfig,
     SchedulerStatistics,
+    TenantKey,
     TenantPolicy,
     TenantStatistics,
     Ticket,
+    header_tenant,
+    open_scheduler,
+    token_tenant,
 )
 from blocks.sessions import (
     ENDED_HEADER,
