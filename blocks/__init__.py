@@ -15,8 +15,11 @@ from blocks.errors import (
 )
 from blocks.hops import (
     INTERNAL_LISTENER,
+    Admission,
     Edge,
     EdgeConfig,
+    Exchange,
+    Feature,
     Forward,
     Hop,
     LocalReplica,
@@ -25,6 +28,7 @@ from blocks.hops import (
     ProxyStatistics,
     Worker,
     WorkerStatistics,
+    forwarded_headers,
     serve_edge,
     serve_proxy,
     serve_worker,
@@ -41,6 +45,7 @@ from blocks.http import (
     abandon,
     error_response,
     respond,
+    strip_hop_by_hop,
     text_response,
 )
 from blocks.mirror import (
@@ -196,6 +201,7 @@ __all__ = [
     "abandon",
     "error_response",
     "respond",
+    "strip_hop_by_hop",
     "text_response",
     # errors
     "BadRequest",
@@ -284,8 +290,11 @@ __all__ = [
     "parse_load",
     # hops
     "INTERNAL_LISTENER",
+    "Admission",
     "Edge",
     "EdgeConfig",
+    "Exchange",
+    "Feature",
     "Forward",
     "Hop",
     "LocalReplica",
@@ -294,6 +303,7 @@ __all__ = [
     "ProxyStatistics",
     "Worker",
     "WorkerStatistics",
+    "forwarded_headers",
     "serve_edge",
     "serve_proxy",
     "serve_worker",

@@ -9,6 +9,11 @@ proxyblocks, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blocks.tokens import TokenReason
+
 
 class BlocksError(Exception):
     """Root of proxyblocks' errors.
@@ -107,3 +112,56 @@ class PayloadTooLarge(StreamReset):
     """
 
     status = 413
+
+
+# -- route sources ----------------------------------------------------------------------------
+
+
+class SourceError(BlocksError):
+    """Root of the route sources' errors. Never reaches a client: routing reads memory."""
+
+    status = 503
+
+
+class SourceUnavailable(SourceError):
+    """The source cannot be reached, answered nonsense, or the watch broke (or went silent).
+
+    The reconciler keeps serving the last good state and retries with backoff.
+    """
+
+
+class Compacted(SourceError):
+    """The history a watch asked for is gone: the reconciler reloads a snapshot.
+
+    ``compact_revision`` is the oldest revision the source still has history
+    after (a watch from it or later would work), or 0 if unknown.
+    """
+
+    def __init__(self, message: str = "", *, compact_revision: int = 0) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class RouteFileError(ValueError):
+    """A route file that cannot be read or does not follow the format. Says where.
+
+    Raised at startup or when a watched file changes, never on a request:
+    a command line turns it into a one-line error and exit code 2; a
+    running store keeps its last good routes.
+    """
+
+
+# -- tokens -------------------------------------------------------------------------------------
+
+
+class InvalidToken(Unauthorized):
+    """A token failed a check: 401 with ``www-authenticate: Bearer`` if it escapes a handler.
+
+    ``reason`` says which check (a :class:`~blocks.tokens.TokenReason`). Like every
+    :class:`~blocks.errors.BlocksError` message, this one goes to logs and
+    statistics only, and it never contains the token.
+    """
+
+    def __init__(self, reason: TokenReason) -> None:
+        super().__init__(f"token rejected: {reason.value}")
+        self.reason = reason

@@ -23,7 +23,7 @@ import collections
 import http
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -32,6 +32,7 @@ from blocks._sync import Signal
 from blocks.errors import BlocksError, StreamReset
 
 if TYPE_CHECKING:
+    from blocks.hops import Exchange
     from blocks.timing import Timing
 
 log = logging.getLogger("blocks.listener")
@@ -310,12 +311,10 @@ class Request:
     client: str = ""
     http_version: str = "2"
     timing: Timing | None = None
-    decision: Any = None
-    """What a hop's synchronous fast path decided (a route, an error), left for
-    its handler when the fast path declined, so nothing is decided twice."""
-    claims: Any = None
-    """The verified claims of the request's token, once a hop checked one
-    (:class:`~blocks.tokens.TokenClaims`); what a tenant key may read."""
+    exchange: Exchange | None = None
+    """This request at the hop that serves it (:class:`~blocks.hops.Exchange`):
+    what its features decided and noted (the app, verified claims, the
+    route), from the moment the hop sees it."""
     protocol: bytes | None = None
     """The RFC 8441 ``:protocol`` of an extended CONNECT (``b"websocket"``), or
     None for an ordinary request. Such a request is a tunnel: ``method`` is
@@ -443,11 +442,12 @@ HOP_BY_HOP = frozenset(
 )
 
 
-def strip_hop_by_hop(headers: Headers) -> Headers:
-    """``headers`` without hop-by-hop fields, nor the fields ``connection`` names.
+def strip_hop_by_hop(headers: Headers, *, te_trailers: bool = False) -> Headers:
+    """``headers`` without hop-by-hop fields (:data:`HOP_BY_HOP`), nor the fields ``connection`` names.
 
-    Returns the same list object when there is nothing to drop, which is the
-    common case on internal hops.
+    With ``te_trailers``, a ``te: trailers`` field stays: the one ``te``
+    value HTTP/2 allows, which gRPC requires of a request. Returns the same
+    list object when there is nothing to drop, which is the common case.
     """
     drop: set[bytes] | frozenset[bytes] = HOP_BY_HOP
     found = False
@@ -455,7 +455,13 @@ def strip_hop_by_hop(headers: Headers) -> Headers:
         if name in HOP_BY_HOP:
             found = True
             if name == b"connection":
-                drop = HOP_BY_HOP | {token.strip().lower() for token in value.split(b",")}
+                drop = drop | {token.strip().lower() for token in value.split(b",")}
     if not found:
         return headers
+    if te_trailers:
+        return [
+            (name, value)
+            for name, value in headers
+            if name not in drop or (name == b"te" and value.strip().lower() == b"trailers")
+        ]
     return [(name, value) for name, value in headers if name not in drop]

@@ -2,8 +2,9 @@
 
 Each hop (edge, proxy, worker) gets code that raises the way a user's would:
 a hook that raises ``KeyError`` when it decides ``/boom`` (a routing policy
-at the proxy, ``screen`` at the edge and the worker), and an observer
-(``Forward.tee``) that raises in the middle of a response asked with ``boom=1``.
+at the proxy, a feature's ``screen`` at the edge and the worker), and an
+observer (a feature's ``exchange.tee``) that raises in the middle of a
+response asked with ``boom=1``.
 Beside them, 100 concurrent streams on the same h2 connection, and an h1
 keep-alive connection:
 
@@ -32,6 +33,8 @@ from blocks import (
     INTERNAL_LISTENER,
     Edge,
     EdgeConfig,
+    Exchange,
+    Feature,
     Forward,
     Headers,
     HTTPServer,
@@ -77,28 +80,19 @@ class BoomTee:
         pass
 
 
-def booming(decide: Callable[[Request], Forward], request: Request, *, raise_here: bool) -> Forward:
-    if raise_here and request.path == b"/boom":
-        raise KeyError("a bug in the hook")
-    forward = decide(request)
-    if request.path.endswith(b"&boom=1"):
-        forward.tee = BoomTee()
-    return forward
+class Boom(Feature):
+    """A user's feature with two bugs: ``screen`` raises on ``/boom`` (when ``raising``), and its tee mid-response."""
 
+    def __init__(self, *, raising: bool) -> None:
+        self.raising = raising
 
-class BoomEdge(Edge):
-    def decide(self, request: Request) -> Forward:
-        return booming(super().decide, request, raise_here=True)
+    def screen(self, exchange: Exchange) -> None:
+        if self.raising and exchange.request.path == b"/boom":
+            raise KeyError("a bug in the hook")
 
-
-class BoomProxy(Proxy):
-    def decide(self, request: Request) -> Forward:
-        return booming(super().decide, request, raise_here=False)  # its policy raises instead
-
-
-class BoomWorker(Worker):
-    def decide(self, request: Request) -> Forward:
-        return booming(super().decide, request, raise_here=True)
+    def dispatched(self, exchange: Exchange, forward: Forward) -> None:
+        if exchange.request.path.endswith(b"&boom=1"):
+            exchange.tee = BoomTee()
 
 
 class BoomPolicy(LeastInFlight):
@@ -106,6 +100,11 @@ class BoomPolicy(LeastInFlight):
         if request.path == b"/boom":
             raise KeyError("a bug in the policy")
         return super().pick(request, candidates, in_flight)
+
+
+def features_at(where: str, hop: str) -> list[Feature]:
+    """The buggy feature, at the hop ``where`` names; at the proxy its screen is sound (its policy is not)."""
+    return [Boom(raising=hop != "proxy")] if where == hop else []
 
 
 async def serve_hop(
@@ -123,21 +122,23 @@ async def chain_with_a_bug_at(nursery: trio.Nursery, where: str) -> dict[str, HT
     """edge -> proxy -> worker -> a demo replica, with the buggy code at ``where``; the servers by name."""
     replica = await nursery.start(serve_demo_replica, "replica-0")
     local = {"replica-0": LocalReplica((HOST, replica.port))}
-    worker_cls = BoomWorker if where == "worker" else Worker
-    worker = await nursery.start(functools.partial(serve_hop, lambda ups: worker_cls(local, ups), INTERNAL_LISTENER))
+    worker = await nursery.start(
+        functools.partial(
+            serve_hop, lambda ups: Worker(local, ups, features=features_at(where, "worker")), INTERNAL_LISTENER
+        )
+    )
     table = RouteTable.build(
         {"*": "app"},
         {"app": [Replica(name="replica-0", worker=(HOST, worker.port), address=local["replica-0"].address)]},
     )
-    if where == "proxy":
-        make_proxy: Callable[[Upstreams], Proxy] = lambda ups: BoomProxy(table, ups, policy=BoomPolicy())  # noqa: E731
-    else:
-        make_proxy = lambda ups: Proxy(table, ups)  # noqa: E731
+    policy = BoomPolicy() if where == "proxy" else LeastInFlight()  # the proxy's bug is in its policy
+    make_proxy = lambda ups: Proxy(table, ups, policy=policy, features=features_at(where, "proxy"))  # noqa: E731
     proxy = await nursery.start(functools.partial(serve_hop, make_proxy, INTERNAL_LISTENER))
-    edge_cls = BoomEdge if where == "edge" else Edge
     config = EdgeConfig(proxy=(HOST, proxy.port))
     edge: HTTPServer = await nursery.start(
-        functools.partial(serve_hop, lambda ups: edge_cls(config, ups), ListenerConfig())
+        functools.partial(
+            serve_hop, lambda ups: Edge(config, ups, features=features_at(where, "edge")), ListenerConfig()
+        )
     )
     return {"edge": edge, "proxy": proxy, "worker": worker, "replica": replica}
 

@@ -34,6 +34,8 @@ from blocks import (
     Body,
     BytesBody,
     EdgeConfig,
+    Exchange,
+    Feature,
     Forward,
     Hop,
     IterBody,
@@ -471,13 +473,12 @@ async def test_a_reset_with_another_code_is_not_retried(nursery: trio.Nursery) -
 # -- safe retry on the spliced fast path ------------------------------------------------------------
 
 
-class ToUpstream(Hop):
-    def __init__(self, upstreams: Upstreams, address: tuple[str, int]) -> None:
-        super().__init__("hop", upstreams)
+class ToUpstream(Feature):
+    def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
 
-    def decide(self, request: Request) -> Forward:
-        return Forward(self.address, request.headers)
+    def route(self, exchange: Exchange) -> Forward:
+        return Forward(self.address, exchange.request.headers)
 
 
 @asynccontextmanager
@@ -488,7 +489,7 @@ async def hop_to(server: RawUpstream) -> AsyncIterator[tuple[RawH2Client, Upstre
     has a connection and later requests are spliced.
     """
     async with open_upstreams() as upstreams, trio.open_nursery() as nursery:
-        hop = ToUpstream(upstreams, server.address)
+        hop = Hop("hop", upstreams, [ToUpstream(server.address)])
         listener = await nursery.start(
             functools.partial(serve_http, hop.handle, relay=hop.relay, config=ListenerConfig())
         )

@@ -1,9 +1,10 @@
 """The three hops of the chain: edge, proxy and worker.
 
-Each hop is a :class:`Hop`: a synchronous ``decide(request) -> Forward``
-around a shared :class:`~blocks.transport.multiplexer.Upstreams`, carried out by the
-hop's fast path (``relay``) or handler (``handle``), and a ``serve_*``
-function that runs it on a listener::
+Each hop is a :class:`Hop`: an ordered stack of :class:`Feature` objects
+(screen, route, dispatched, response, closed: synchronous, in memory)
+around a shared :class:`~blocks.transport.multiplexer.Upstreams`, carried
+out by the hop's fast path (``relay``) or handler (``handle``), and a
+``serve_*`` function that runs it on a listener::
 
     client --h1/h2/TLS--> Edge --h2--> Proxy --h2--> Worker --h2|h1--> replica
 
@@ -23,24 +24,53 @@ Each hop appends its entries to the response's ``server-timing`` header
 (see :mod:`blocks.timing`).
 """
 
-from blocks.hops._hop import INTERNAL_LISTENER, INTERNAL_PREFIX, Forward, Hop
-from blocks.hops.edge import Edge, EdgeConfig, serve_edge
-from blocks.hops.proxy import Proxy, ProxyConfig, ProxyStatistics, serve_proxy
-from blocks.hops.worker import LocalReplica, Worker, WorkerStatistics, serve_worker
+from blocks.fields import INTERNAL_PREFIX
+from blocks.hops._hop import INTERNAL_LISTENER, Admission, Answer, Exchange, Feature, Forward, Hop
+from blocks.hops.edge import Edge, EdgeConfig, ToProxy, forwarded_headers, serve_edge
+from blocks.hops.proxy import (
+    AppLookup,
+    Authorize,
+    InFlight,
+    Mirroring,
+    Outliers,
+    Proxy,
+    ProxyConfig,
+    ProxyStatistics,
+    Router,
+    SessionPin,
+    serve_proxy,
+)
+from blocks.hops.worker import LocalReplica, LocalRoute, Probes, SessionCount, Worker, WorkerStatistics, serve_worker
 
 __all__ = [
     "INTERNAL_LISTENER",
     "INTERNAL_PREFIX",
+    "Admission",
+    "Answer",
+    "AppLookup",
+    "Authorize",
     "Edge",
     "EdgeConfig",
+    "Exchange",
+    "Feature",
     "Forward",
     "Hop",
+    "InFlight",
     "LocalReplica",
+    "LocalRoute",
+    "Mirroring",
+    "Outliers",
+    "Probes",
     "Proxy",
     "ProxyConfig",
     "ProxyStatistics",
+    "Router",
+    "SessionCount",
+    "SessionPin",
+    "ToProxy",
     "Worker",
     "WorkerStatistics",
+    "forwarded_headers",
     "serve_edge",
     "serve_proxy",
     "serve_worker",

@@ -1,96 +1,267 @@
-"""The hop contract: :class:`Hop` (decide, screen, the fast path and the handler path) and :class:`Forward`."""
+"""The hop contract: a :class:`Hop` runs an ordered stack of :class:`Feature` objects for every request.
+
+Theory of operation. A request reaches a hop on one of two paths (see
+docs/hops.md): the fast path (:meth:`Hop.relay`, synchronous, inside the h2
+connection's reader) or the handler path (:meth:`Hop.handle`, a task). On
+either, the hop makes one :class:`Exchange` for it and runs the phases of
+its stack in this order, each phase over the features in stack order:
+
+1. ``screen(exchange)``: refuse the request (raise a
+   :class:`~blocks.errors.BlocksError`), rewrite its fields, note what later
+   phases need (the app, verified claims), or answer it here (set
+   ``exchange.answer``: the handler awaits it; nothing else runs).
+2. admission: the hop's :class:`Admission` (a fair scheduler), if any. The
+   fast path takes a slot only if one is free now; otherwise the handler
+   waits its turn.
+3. ``route(exchange)``: the first feature that returns a :class:`Forward`
+   decides where the request goes. None returned one: 503.
+4. ``dispatched(exchange, forward)``: the request is going out; count it,
+   edit ``forward.headers``, start watching it (``exchange.tee``).
+5. ``response(exchange, status, headers)``: the upstream's response head
+   (edit ``headers`` in place), or the error status when it never answered
+   (502, 503, 504; ``headers`` empty).
+6. ``closed(exchange)``: exactly once per exchange whose ``dispatched`` ran
+   for this feature, however it ends, in reverse stack order.
+
+The invariant the hop keeps: whatever a feature took in ``dispatched`` it
+gives back in ``closed``, and the scheduler slot admission took is released,
+exactly once, on every path (a refusal, a route that raised, a splice that
+failed, a response sent in full, a client that left).
+
+A bug in a feature costs that one request: on the fast path anything but a
+:class:`~blocks.errors.BlocksError` is logged with its traceback and answered
+500 (:class:`~blocks.errors.HopFailed`); on the handler path the listener
+does the same. The stack is resolved once, when the hop is made: a phase no
+feature implements costs nothing per request.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
+from typing import TYPE_CHECKING, Any
 
-from blocks.errors import BlocksError, HopFailed, StreamReset
+import trio
+
+from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset
 from blocks.http import Headers, Request, Response, abandon
-from blocks.routing import Address
-from blocks.scheduler import Scheduler, TenantKey, header_tenant
-from blocks.scheduler._core import Grant
+from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
+from blocks.transport import Address
 from blocks.transport._h2 import H2Driver, H2Stream
-from blocks.transport._splice import HeadFilter
 from blocks.transport._tap import TappedBody, Tee, tap_splice
 from blocks.transport.listener import ListenerConfig
 from blocks.transport.multiplexer import Upstreams
 
+if TYPE_CHECKING:
+    from blocks.routing import Replica
+    from blocks.tokens import TokenClaims
+
 log = logging.getLogger("blocks.hops")
 
-_SCREENED = object()
-"""``request.decision`` after a fast path that screened the request, then found no scheduler slot free."""
-INTERNAL_PREFIX = b"x-proxyblocks-"
-
-
-def _timing(request: Request) -> Timing:
-    timing = request.timing
-    if timing is None:
-        timing = request.timing = Timing()
-    return timing
+Answer = Callable[["Exchange"], Awaitable[Response]]
+"""A hop's own answer to a request (a probe, a session start): see :attr:`Exchange.answer`."""
 
 
 class Forward:
-    """Where one request goes next, as a hop's :meth:`Hop.decide` says.
+    """Where one request goes next: the ``route`` phase's result.
 
-    ``on_close`` runs exactly once when the exchange ends, however it ends
-    (release an in-flight count, a slot). ``on_status``, if set, hears the
-    status of the upstream's response head, or the error status when the
-    upstream never answered (502 for a refused connection, 504 for a
-    timeout): what outlier detection feeds on. ``tee``, if set, watches the
-    exchange go by without ever holding it up (:class:`~blocks.transport._tap.Tee`; the
-    mirror's copy of a sampled request).
+    ``headers`` are the fields it goes with (``dispatched`` may edit them);
+    ``protocol`` is ``"h2"`` (pooled, spliced when it can be) or ``"h1"``.
     """
 
-    __slots__ = ("address", "headers", "on_close", "on_status", "protocol", "tee")
+    __slots__ = ("address", "headers", "protocol")
 
-    def __init__(
-        self,
-        address: Address,
-        headers: Headers,
-        *,
-        protocol: str = "h2",
-        on_close: Callable[[], None] | None = None,
-        on_status: Callable[[int], None] | None = None,
-        tee: Tee | None = None,
-    ) -> None:
+    def __init__(self, address: Address, headers: Headers, *, protocol: str = "h2") -> None:
         self.address = address
         self.headers = headers
         self.protocol = protocol
-        self.on_close = on_close
-        self.on_status = on_status
-        self.tee = tee
+
+    def __repr__(self) -> str:
+        return f"<Forward {self.protocol} {self.address[0]}:{self.address[1]}>"
+
+
+class Exchange:
+    """One request at one hop: the typed context its features share.
+
+    ``request.exchange`` is this object from the moment the hop sees the
+    request. Fields a hop's features fill in (None until then):
+
+    - ``app``: the app the authority maps to (the proxy's first screen);
+    - ``claims``: the verified claims of the request's token, proxy-auth or
+      session (what :func:`~blocks.scheduler.token_tenant` reads);
+    - ``replica``: the replica's name, once routed (``picked``: its routing
+      entry, when the proxy's policy picked it); ``session``: the session
+      id, for a request of a session;
+    - ``answer``: set in ``screen`` to answer the request at this hop
+      (``await answer(exchange)`` gives the response); nothing else runs;
+    - ``tee``: set in ``dispatched`` to watch the exchange go by, never
+      holding it up (the mirror's copy; :class:`~blocks.transport.Tee`);
+    - ``forward``: the route's :class:`Forward`; ``grant``: the scheduler
+      slot admission took;
+    - ``notes``: a dict for features of your own (keys of your choosing).
+
+    ``hop.clock()`` is the hop's clock (``trio.current_time`` unless the hop
+    was given another): read it instead of calling trio, so a feature's
+    decisions can be tested without a trio run.
+    """
+
+    __slots__ = (
+        "_dispatched",
+        "answer",
+        "app",
+        "claims",
+        "error",
+        "forward",
+        "grant",
+        "hop",
+        "notes",
+        "picked",
+        "queued",
+        "replica",
+        "request",
+        "session",
+        "start",
+        "tee",
+    )
+
+    def __init__(self, hop: Hop, request: Request) -> None:
+        self.hop = hop
+        self.request = request
+        self.app: str | None = None
+        self.claims: TokenClaims | None = None
+        self.replica: str | None = None
+        self.picked: Replica | None = None
+        self.session: str | None = None
+        self.answer: Answer | None = None
+        self.tee: Tee | None = None
+        self.forward: Forward | None = None
+        self.grant: Grant | None = None
+        self.error: BlocksError | None = None
+        self.queued = False
+        self.notes: dict[Any, Any] | None = None
+        self.start = 0.0
+        self._dispatched = 0
+        request.exchange = self
+
+    def __repr__(self) -> str:
+        return f"<Exchange {self.request.method!r} {self.request.path!r} at {self.hop.name} -> {self.forward!r}>"
+
+    @property
+    def timing(self) -> Timing:
+        """The request's Server-Timing clock at this hop (made on first use)."""
+        timing = self.request.timing
+        if timing is None:
+            timing = self.request.timing = Timing()
+        return timing
+
+    def head(self, status: int, headers: Headers) -> Headers:
+        """The upstream's response head passes: ``response`` hooks, then this hop's Server-Timing entries."""
+        hop = self.hop
+        for response in hop._responses:
+            response(self, status, headers)
+        if self.tee is not None:
+            self.tee.head(status, headers)
+        timing = self.timing
+        timing.upstream = perf_counter() - self.start
+        return add_server_timing(headers, timing.entries(hop.name, upstream_name=hop.upstream_name, total=hop.total))
+
+    def failed(self, status: int) -> None:
+        """The upstream never answered: the ``response`` hooks hear the error's status."""
+        for response in self.hop._responses:
+            response(self, status, [])
+
+    def closed(self) -> None:
+        """The exchange is over: ``closed`` hooks in reverse stack order, the tee, then the slot. Idempotent."""
+        observers = self.hop._closers
+        n, self._dispatched = self._dispatched, 0
+        error: BaseException | None = None
+        for i in range(n - 1, -1, -1):
+            closer = observers[i]
+            if closer is not None:
+                try:
+                    closer(self)
+                except BaseException as exc:  # the others still give back what they took
+                    error = exc
+        tee, self.tee = self.tee, None
+        if tee is not None:
+            tee.closed()
+        grant, self.grant = self.grant, None
+        if grant is not None:
+            admission = self.hop.admission
+            assert admission is not None
+            admission.scheduler.release(grant)
+        if error is not None:
+            raise error
+
+
+class Feature:
+    """One step of a hop's stack; override only the phases it needs (the others cost nothing).
+
+    Every phase is synchronous and runs once per request, on the fast path
+    inside the h2 connection's reader: it must not await, block or touch
+    the network, and must not raise for control flow. Raise a
+    :class:`~blocks.errors.BlocksError` to answer with its status (a 401,
+    a 429); anything else is a bug, logged and answered 500, costing only
+    this request. Keep per-request state on the :class:`Exchange`
+    (``exchange.notes`` for your own), never on the feature.
+    """
+
+    def screen(self, exchange: Exchange) -> None:
+        """Before admission. Refuse (raise), rewrite ``exchange.request.headers``, note, or set ``answer``."""
+
+    def route(self, exchange: Exchange) -> Forward | None:
+        """After admission: where the request goes, or None to leave it to the next feature."""
+        return None
+
+    def dispatched(self, exchange: Exchange, forward: Forward) -> None:
+        """The request is going out as ``forward``: take what ``closed`` gives back, edit its headers."""
+
+    def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
+        """The response head (``headers`` editable in place), or an error status with no head."""
+
+    def closed(self, exchange: Exchange) -> None:
+        """The exchange ended, however: give back what ``dispatched`` took. Runs once, in reverse stack order."""
+
+
+def _overrides(feature: Feature, phase: str) -> bool:
+    return getattr(type(feature), phase) is not getattr(Feature, phase)
+
+
+class Admission:
+    """Admission through a fair :class:`~blocks.scheduler.Scheduler`, between ``screen`` and ``route``.
+
+    The fast path takes a slot only if one is free now; otherwise the request
+    takes the handler path and waits its turn there (or gets the scheduler's
+    429 or 503). The slot is released with the exchange, on every path.
+    """
+
+    def __init__(self, scheduler: Scheduler, tenant_key: TenantKey | None = None) -> None:
+        self.scheduler = scheduler
+        self.tenant_key = tenant_key or header_tenant()
+
+    def admit_nowait(self, exchange: Exchange) -> bool:
+        grant = self.scheduler.try_acquire(self.tenant_key(exchange.request))
+        exchange.grant = grant
+        return grant is not None
+
+    async def admit(self, exchange: Exchange) -> None:
+        exchange.grant = await self.scheduler.acquire(self.tenant_key(exchange.request))
 
 
 class Hop:
-    """A forwarding hop: :meth:`decide` picks the upstream, the rest is shared.
+    """A forwarding hop: an ordered stack of :class:`Feature` objects around shared :class:`Upstreams`.
 
-    A subclass implements ``decide(request) -> Forward`` (synchronous: read
-    memory, never the network; raise a :class:`~blocks.errors.BlocksError`
-    to answer with its status). The hop then offers its listener two ways to
-    carry the request out:
-
-    - :meth:`relay`, the fast path for HTTP/2: when the pool has a free
-      stream slot to the chosen upstream right now, the stream is spliced
-      there and every frame relayed by the connections' readers;
-    - :meth:`handle`, the general path (h1, TLS or not, a pool that must
-      first open a connection): a task awaits the upstream's response.
-
-    With a :class:`~blocks.scheduler.Scheduler`, a request is admitted
-    before it is decided: the fast path takes a slot only if one is free
-    now, otherwise the handler waits its turn (or gets the scheduler's 429 or
-    503), and the slot is released with the exchange, on every path.
-
-    Before admission, :meth:`screen` runs once per request (nothing by
-    default): a request it refuses (the proxy's 401) never takes, nor waits
-    for, a slot.
-
-    Either way the decision is made once (a declined fast path leaves it in
-    ``request.decision``) and the response head gets this hop's
-    Server-Timing entries: ``name`` for the hop's own time, ``upstream_name``
-    (if set) for the wait on the upstream, and ``total`` at the outermost hop.
+    The listener calls :meth:`relay` (the fast path for HTTP/2: when the
+    pool has a free stream slot to the chosen upstream right now, the
+    stream is spliced there and every frame relayed by the connections'
+    readers) and :meth:`handle` (the general path: a task awaits the
+    upstream's response). Both run the same phases, once per request (see
+    the module's docstring), and give the response head this hop's
+    Server-Timing entries: ``name`` for the hop's own time,
+    ``upstream_name`` (if set) for the wait on the upstream, and ``total``
+    at the outermost hop.
     """
 
     upstream_name: str | None = None
@@ -100,80 +271,79 @@ class Hop:
         self,
         name: str,
         upstreams: Upstreams,
+        features: Sequence[Feature],
         *,
-        scheduler: Scheduler | None = None,
-        tenant_key: TenantKey | None = None,
+        admission: Admission | None = None,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.name = name
         self.upstreams = upstreams
-        self.scheduler = scheduler
-        self.tenant_key = tenant_key or header_tenant()
+        self.features = tuple(features)
+        self.admission = admission
+        self.clock = clock
+        stack = self.features
+        self._screens = [f.screen for f in stack if _overrides(f, "screen")]
+        self._routes = [f.route for f in stack if _overrides(f, "route")]
+        self._responses = [f.response for f in stack if _overrides(f, "response")]
+        # dispatched and closed pair up: closed runs for the features whose dispatched ran.
+        observers = [f for f in stack if _overrides(f, "dispatched") or _overrides(f, "closed")]
+        self._dispatchers = [f.dispatched if _overrides(f, "dispatched") else None for f in observers]
+        self._closers = [f.closed if _overrides(f, "closed") else None for f in observers]
 
-    def decide(self, request: Request) -> Forward:
-        raise NotImplementedError
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {[type(f).__name__ for f in self.features]}>"
 
-    def screen(self, request: Request) -> None:
-        """Refuse a request before it is admitted or decided: raise a :class:`~blocks.errors.BlocksError`.
+    def screen(self, exchange: Exchange) -> None:
+        """Run every feature's ``screen``."""
+        for screen in self._screens:
+            screen(exchange)
 
-        Synchronous, like :meth:`decide`, and run once per request. It may
-        rewrite ``request.headers`` (strip a credential). The default does
-        nothing; the proxy checks proxy-auth tokens here.
-        """
-
-    def _head(self, request: Request, on_status: Callable[[int], None] | None, tee: Tee | None = None) -> HeadFilter:
-        timing = _timing(request)
-        start = perf_counter()
-        name, upstream_name, total = self.name, self.upstream_name, self.total
-
-        def head(status: int, headers: Headers) -> Headers:
-            if on_status is not None:
-                on_status(status)
-            if tee is not None:
-                tee.head(status, headers)
-            timing.upstream = perf_counter() - start
-            return add_server_timing(headers, timing.entries(name, upstream_name=upstream_name, total=total))
-
-        return head
-
-    def _admitted(self, request: Request, grant: Grant | None) -> Forward:
-        """Decide, once admitted; the grant (if any) is released with the exchange."""
-        scheduler = self.scheduler
+    def decide(self, exchange: Exchange) -> Forward:
+        """Route the exchange (after admission) and dispatch it; undo what it took if any of that raises."""
         try:
-            forward = self.decide(request)
+            for route in self._routes:
+                forward = route(exchange)
+                if forward is not None:
+                    break
+            else:
+                raise NoRoute(f"{self.name}: nothing routes {exchange.request.authority!r}")
+            exchange.forward = forward
+            for n, dispatched in enumerate(self._dispatchers, 1):
+                if dispatched is not None:
+                    dispatched(exchange, forward)
+                exchange._dispatched = n  # from now on, this feature's closed runs
         except BaseException:
-            if grant is not None and scheduler is not None:
-                scheduler.release(grant)
+            exchange.forward = None
+            exchange.closed()
             raise
-        if grant is not None and scheduler is not None:
-            forward.on_close = _then_release(forward.on_close, scheduler, grant)
-        if forward.tee is not None:
-            forward.on_close = _then_close(forward.on_close, forward.tee)
+        exchange.start = perf_counter()
         return forward
 
     def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
         """The listener's fast path (see :func:`blocks.serve_http`): True if spliced.
 
-        It runs in the connection's reader, so whatever it calls that a user
-        wrote (``screen``, the tenant key, ``decide`` and the policy behind
-        it) must cost only this request when it fails: an exception that is
-        not a :class:`~blocks.errors.BlocksError` is logged once, with its
+        It runs in the connection's reader, so a feature that fails costs
+        only this request: an exception that is not a
+        :class:`~blocks.errors.BlocksError` is logged once, with its
         traceback, and the request answered 500 by the handler path.
         """
+        exchange = Exchange(self, request)
         try:
-            self.screen(request)
-            grant = None
-            if self.scheduler is not None:
-                grant = self.scheduler.try_acquire(self.tenant_key(request))
-                if grant is None:
-                    request.decision = _SCREENED
-                    return False  # not its turn: the handler waits in the scheduler's queue
-            forward = self._admitted(request, grant)
+            for screen in self._screens:
+                screen(exchange)
+            if exchange.answer is not None:
+                return False  # answered here: the handler awaits it
+            admission = self.admission
+            if admission is not None and not admission.admit_nowait(exchange):
+                exchange.queued = True
+                return False  # not its turn: the handler waits in the scheduler's queue
+            forward = self.decide(exchange)
         except BlocksError as exc:
-            request.decision = exc
+            exchange.error = exc
             return False
         except Exception:
             log.exception("%s failed deciding %r %r", self.name, request.method, request.path)
-            request.decision = HopFailed(f"{self.name} failed deciding the request")
+            exchange.error = HopFailed(f"{self.name} failed deciding the request")
             return False
         try:
             spliced = forward.protocol == "h2" and self.upstreams.splice(
@@ -183,37 +353,35 @@ class Hop:
                 down,
                 st,
                 request_ended=ended,
-                head_filter=self._head(request, forward.on_status, forward.tee),
-                on_close=forward.on_close,
+                head_filter=exchange.head,
+                on_close=exchange.closed,
             )
         except Exception:
             log.exception("%s failed splicing %r %r", self.name, request.method, request.path)
-            if forward.on_close is not None:
-                forward.on_close()  # (what decide took: a slot, an in-flight count)
-            request.decision = HopFailed(f"{self.name} failed splicing the request")
+            exchange.error = HopFailed(f"{self.name} failed splicing the request")
+            exchange.closed()
             return False
         if spliced:
-            if forward.tee is not None:
-                tap_splice(st, forward.tee, ended)
+            if exchange.tee is not None:
+                tap_splice(st, exchange.tee, ended)
             return True
-        request.decision = forward
-        return False
+        return False  # decided: the handler carries it out
 
     async def handle(self, request: Request) -> Response:
-        decision = request.decision
-        if isinstance(decision, BlocksError):
-            raise decision
-        if decision is None or decision is _SCREENED:
-            if decision is None:
-                self.screen(request)
-            grant = None
-            if self.scheduler is not None:
-                grant = await self.scheduler.acquire(self.tenant_key(request))  # or 429 / 503
-            forward = self._admitted(request, grant)
-        else:
-            forward = decision
-        tee = forward.tee
-        head = self._head(request, forward.on_status, tee)
+        exchange = request.exchange
+        if exchange is None:  # the fast path never saw it (h1, TLS without h2)
+            exchange = Exchange(self, request)
+            self.screen(exchange)
+        elif exchange.error is not None:
+            raise exchange.error
+        if exchange.answer is not None:
+            return await exchange.answer(exchange)
+        forward = exchange.forward
+        if forward is None:
+            if self.admission is not None:
+                await self.admission.admit(exchange)  # or 429 / 503
+            forward = self.decide(exchange)
+        tee = exchange.tee
         if tee is not None:
             request.body = TappedBody(request.body, tee.request, tee.abort)
         try:
@@ -222,16 +390,14 @@ class Hop:
             )
         except BaseException as exc:
             try:
-                if forward.on_status is not None and isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
-                    forward.on_status(exc.status)  # the upstream never answered: 502, 503, 504
+                if isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
+                    exchange.failed(exc.status)  # the upstream never answered: 502, 503, 504
             finally:
-                if forward.on_close is not None:
-                    forward.on_close()
+                exchange.closed()
             raise
-        if forward.on_close is not None:
-            response.call_on_close(forward.on_close)
+        response.call_on_close(exchange.closed)
         try:
-            response.headers = head(response.status, response.headers)  # (it runs on_status and the tee's head)
+            response.headers = exchange.head(response.status, response.headers)
         except BaseException:
             await abandon(response.body)
             response.closed()
@@ -239,24 +405,6 @@ class Hop:
         if tee is not None:
             response.body = TappedBody(response.body, tee.response)
         return response
-
-
-def _then_close(on_close: Callable[[], None] | None, tee: Tee) -> Callable[[], None]:
-    def done() -> None:
-        if on_close is not None:
-            on_close()
-        tee.closed()
-
-    return done
-
-
-def _then_release(on_close: Callable[[], None] | None, scheduler: Scheduler, grant: Grant) -> Callable[[], None]:
-    def done() -> None:
-        if on_close is not None:
-            on_close()
-        scheduler.release(grant)
-
-    return done
 
 
 # An internal hop's peer is a hop: its connection carries many clients' streams,

@@ -5,36 +5,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 
 import attrs
 import trio
 
 from blocks.errors import BlocksError, NoRoute, Unauthorized
-from blocks.hops._hop import INTERNAL_LISTENER, Forward, Hop, _timing
-from blocks.http import Request, Response
+from blocks.fields import REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
+from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop
+from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
-from blocks.prober import open_prober
-from blocks.prober._core import (
-    REPLICA_HEADER,
-    AutoscaleSignal,
-    LoadEstimator,
-    ProberAware,
-    ProberConfig,
-)
-from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
-from blocks.scheduler import Scheduler, TenantKey, open_scheduler
-from blocks.scheduler._core import SchedulerConfig
-from blocks.sessions import (
-    SESSION_HEADER,
-    SESSIONS_PATH,
-    SessionBroker,
-    SessionConfig,
-    open_sessions,
-)
-from blocks.tokens import ProxyAuth, TokenClaims, TokenIssuer, TokenVerifier
-from blocks.transport._h2 import H2Driver, H2Stream
+from blocks.prober import AutoscaleSignal, LoadEstimator, ProberAware, ProberConfig, open_prober
+from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Policy, Routes
+from blocks.scheduler import Scheduler, SchedulerConfig, TenantKey, header_tenant, open_scheduler
+from blocks.sessions import SessionBroker, SessionConfig, open_sessions
+from blocks.tokens import ProxyAuth, TokenIssuer, TokenVerifier
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 
@@ -50,22 +36,211 @@ class ProxyStatistics:
     no_route: int
 
 
+class AppLookup(Feature):
+    """First in the proxy's stack: ``exchange.app`` is the app the authority maps to (None: no route)."""
+
+    def __init__(self, routes: Routes) -> None:
+        self.routes = routes
+
+    def screen(self, exchange: Exchange) -> None:
+        exchange.app = self.routes.app_for(exchange.request.authority)
+
+
+class SessionPin(Feature):
+    """Sticky sessions (:mod:`blocks.sessions`) for the broker's apps.
+
+    screen: a request with a session token gets its claims (``exchange.claims``,
+    token stripped; a bad token is a 401), timed as ``<proxy>-session``;
+    ``POST`` / ``DELETE /.proxyblocks/sessions`` are answered here (a start
+    awaits the worker). route: a request of a session goes to the replica
+    its token names (a 410 if it is gone), with ``x-proxyblocks-session``.
+    """
+
+    def __init__(self, broker: SessionBroker, tenant_key: TenantKey, name: str) -> None:
+        self.broker = broker
+        self.tenant_key = tenant_key
+        self._phase = f"{name}-session"
+        self._via = (b"via", b"2 " + name.encode())
+
+    def screen(self, exchange: Exchange) -> None:
+        app = exchange.app
+        broker = self.broker
+        if app is None or app not in broker.apps:
+            return
+        request = exchange.request
+        if request.path == SESSIONS_PATH:
+            if request.method == b"POST":
+                broker.strip(request)  # a start is authorized like any request, not by an old session
+                exchange.answer = self._start
+                return
+            exchange.answer = self._terminate if request.method == b"DELETE" else _not_allowed
+        start = perf_counter()
+        claims = broker.read(app, request)
+        if claims is not None:
+            exchange.claims = claims
+            exchange.timing.phase(self._phase, perf_counter() - start)
+
+    def route(self, exchange: Exchange) -> Forward | None:
+        claims = exchange.claims
+        if claims is None or claims.kind != "session":
+            return None
+        replica = self.broker.pinned(claims.app, claims)
+        name = exchange.replica = replica.name
+        session = exchange.session = claims.session_id or ""
+        headers = [
+            *exchange.request.headers,
+            self._via,
+            (SESSION_HEADER, session.encode()),
+            (REPLICA_HEADER, name.encode()),
+        ]
+        return Forward(replica.worker, headers)
+
+    async def _start(self, exchange: Exchange) -> Response:
+        app = exchange.app
+        assert app is not None
+        exchange.claims = self.broker.authorize_start(app, exchange.request, exchange.claims)
+        return await self.broker.start(app, self.tenant_key(exchange.request))
+
+    async def _terminate(self, exchange: Exchange) -> Response:
+        claims = exchange.claims
+        if claims is None or claims.kind != "session":
+            raise Unauthorized(f"no session token to end a session of app {exchange.app!r}")
+        return await self.broker.terminate(claims.app, claims)
+
+
+async def _not_allowed(exchange: Exchange) -> Response:
+    raise BlocksError(f"{exchange.request.method!r} on {SESSIONS_PATH!r}", status=405)
+
+
+class Authorize(Feature):
+    """screen: proxy auth (:class:`~blocks.tokens.ProxyAuth`): a 401 without a valid token for an app that needs one.
+
+    The token is stripped; its claims go to ``exchange.claims``, the check is
+    timed as ``<proxy>-auth``. A request a session token already let in
+    needs no proxy-auth token (any it carries is stripped).
+    """
+
+    def __init__(self, auth: ProxyAuth, name: str) -> None:
+        self.auth = auth
+        self._phase = f"{name}-auth"
+
+    def screen(self, exchange: Exchange) -> None:
+        app = exchange.app
+        if app is None:
+            return  # no route: 503
+        request = exchange.request
+        claims = exchange.claims
+        if claims is not None and claims.kind == "session":
+            request.headers = self.auth.strip(app, request.headers)
+            return
+        start = perf_counter()
+        claims, request.headers = self.auth.authorize(app, request.headers, time.time())
+        if claims is not None:  # the app requires auth: its check is a phase of its own
+            exchange.claims = claims
+            exchange.timing.phase(self._phase, perf_counter() - start)
+
+
+class Router(Feature):
+    """route: the app's replica, by ``policy`` (in memory, never awaits), among those ``outliers`` has not ejected.
+
+    No app, or no live replica: :class:`~blocks.errors.NoRoute` (503),
+    counted. The lookup and the pick are timed as ``<proxy>-route``. The
+    request goes to the replica's worker with ``via`` and, last,
+    ``x-proxyblocks-replica``; ``exchange.picked`` is the replica.
+    """
+
+    def __init__(
+        self, routes: Routes, policy: Policy, in_flight: Mapping[str, int], name: str, outliers: OutlierDetector | None
+    ) -> None:
+        self.routes = routes
+        self.policy = policy
+        self.in_flight = in_flight
+        self.outliers = outliers
+        self.no_route = 0
+        self._phase = f"{name}-route"
+        self._via = (b"via", b"2 " + name.encode())
+
+    def route(self, exchange: Exchange) -> Forward:
+        start = perf_counter()
+        app = exchange.app
+        request = exchange.request
+        candidates = self.routes.replicas(app) if app is not None else None
+        if not candidates:
+            self.no_route += 1
+            raise NoRoute(
+                f"no live replica for {request.authority!r}" if app else f"no route for {request.authority!r}"
+            )
+        if self.outliers is not None:
+            candidates = self.outliers.selectable(candidates, exchange.hop.clock())
+        replica = self.policy.pick(request, candidates, self.in_flight)
+        exchange.timing.phase(self._phase, perf_counter() - start)
+        exchange.picked = replica
+        name = exchange.replica = replica.name
+        return Forward(replica.worker, [*request.headers, self._via, (REPLICA_HEADER, name.encode())])
+
+
+class InFlight(Feature):
+    """Counts each routed request in flight per replica (``exchange.replica``) until it ends; tells ``load`` too."""
+
+    def __init__(self, load: LoadEstimator | None = None, served: dict[str, int] | None = None) -> None:
+        self.counts: dict[str, int] = {}
+        self.load = load
+        self.served = served
+
+    def dispatched(self, exchange: Exchange, forward: Forward) -> None:
+        name = exchange.replica
+        assert name is not None
+        counts = self.counts
+        counts[name] = counts.get(name, 0) + 1
+        if self.served is not None:
+            self.served[name] = self.served.get(name, 0) + 1
+        if self.load is not None:
+            self.load.dispatched(name)
+
+    def closed(self, exchange: Exchange) -> None:
+        name = exchange.replica
+        assert name is not None
+        self.counts[name] -= 1
+        if self.load is not None:
+            self.load.completed(name)
+
+
+class Outliers(Feature):
+    """response: feeds :class:`~blocks.routing.OutlierDetector` each routed replica's status (5xx: a failure)."""
+
+    def __init__(self, detector: OutlierDetector) -> None:
+        self.detector = detector
+
+    def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
+        replica = exchange.picked
+        if replica is not None:  # (a session's request is pinned, not picked)
+            self.detector.record(replica, status < 500, exchange.hop.clock())
+
+
+class Mirroring(Feature):
+    """dispatched: a sampled request of an app whose settings mirror it gets a tee (:mod:`blocks.mirror`)."""
+
+    def __init__(self, mirror: Mirror, routes: Routes, tenant_key: TenantKey) -> None:
+        self.mirror = mirror
+        self.routes = routes
+        self.tenant_key = tenant_key
+
+    def dispatched(self, exchange: Exchange, forward: Forward) -> None:
+        app = exchange.app
+        if app is not None and exchange.picked is not None:
+            exchange.tee = self.mirror.tee(self.routes, app, exchange.request, forward.headers, self.tenant_key)
+
+
 class Proxy(Hop):
     """Routes by authority from in-memory :class:`~blocks.routing.Routes`; never awaits for a decision.
 
-    ``routes`` is a static :class:`~blocks.routing.RouteTable` or a
-    :class:`~blocks.routing.RouteCache` that a route source keeps current.
-    With ``auth`` (a :class:`~blocks.tokens.ProxyAuth`), a request for an app
-    that requires a proxy-auth token and lacks a valid one for that app is
-    a 401 from :meth:`screen`: before the scheduler, the replica pick and any
-    upstream.
-
-    With ``sessions`` (a :class:`~blocks.sessions.SessionBroker`), the
-    sessioned apps' requests that carry a session token go to the replica
-    the token names (a 410 if it is gone), and ``POST`` / ``DELETE
-    /.proxyblocks/sessions`` on their domains start and end sessions. A
-    valid session token opens its app on its own; a start needs a
-    proxy-auth token for the app (``SessionConfig.require_auth``).
+    Its stack, in order: :class:`AppLookup`, :class:`SessionPin` (with
+    ``sessions``), :class:`Authorize` (with ``auth``), the caller's
+    ``features``, admission (with ``scheduler``), :class:`Router`,
+    :class:`InFlight`, :class:`Outliers` (with ``outliers``),
+    :class:`Mirroring` (with ``mirror``). ``routes`` is a static
+    :class:`~blocks.routing.RouteTable` or a :class:`~blocks.routing.RouteCache`
+    that a route source keeps current.
     """
 
     def __init__(
@@ -82,144 +257,42 @@ class Proxy(Hop):
         auth: ProxyAuth | None = None,
         sessions: SessionBroker | None = None,
         mirror: Mirror | None = None,
+        features: Sequence[Feature] = (),
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.config = config or ProxyConfig()
+        name = self.config.name
+        tenant_key = tenant_key or header_tenant()
+        self.routes = routes
         self.auth = auth
         self.sessions = sessions
-        self.mirror = mirror  # copies the sampled requests of apps whose settings say so
+        self.mirror = mirror
         self.outliers = outliers
         self.load = load  # told of every dispatch and completion (the prober's correction)
-        super().__init__(self.config.name, upstreams, scheduler=scheduler, tenant_key=tenant_key)
-        self.routes = routes
-        self.policy: Policy = policy or LeastInFlight()
-        self.in_flight: dict[str, int] = {}
-        self._no_route = 0
-        self._via = (b"via", b"2 " + self.config.name.encode())
-        self._phase = f"{self.config.name}-route"
-        self._auth_phase = f"{self.config.name}-auth"
-        self._session_phase = f"{self.config.name}-session"
+        self.tenant_key = tenant_key
+        accounting = InFlight(load)
+        self.in_flight = accounting.counts
+        self.router = Router(routes, policy or LeastInFlight(), self.in_flight, name, outliers)
+        stack: list[Feature] = [AppLookup(routes)]
+        if sessions is not None:
+            stack.append(SessionPin(sessions, tenant_key, name))
+        if auth is not None:
+            stack.append(Authorize(auth, name))
+        stack += [*features, self.router, accounting]
+        if outliers is not None:
+            stack.append(Outliers(outliers))
+        if mirror is not None:
+            stack.append(Mirroring(mirror, routes, tenant_key))
+        admission = Admission(scheduler, tenant_key) if scheduler is not None else None
+        super().__init__(name, upstreams, stack, admission=admission, clock=clock)
+        self.scheduler = scheduler
+
+    @property
+    def policy(self) -> Policy:
+        return self.router.policy
 
     def statistics(self) -> ProxyStatistics:
-        return ProxyStatistics(dict(self.in_flight), self._no_route)
-
-    def screen(self, request: Request) -> None:
-        """Session tokens and proxy auth, as configured: a 401 for a bad token; tokens are stripped.
-
-        A request of a sessioned app with a valid session token gets its
-        claims (``request.claims``), and needs no proxy-auth token. Otherwise,
-        a request of an app that requires proxy auth needs a valid
-        proxy-auth token for that app.
-        """
-        auth, sessions = self.auth, self.sessions
-        if auth is None and sessions is None:
-            return
-        start = perf_counter()
-        app = self.routes.app_for(request.authority)
-        if app is None:
-            return  # decide answers 503
-        if sessions is not None and app in sessions.apps:
-            if request.path == SESSIONS_PATH and request.method == b"POST":
-                sessions.strip(request)  # a start is authorized like any request, not by an old session
-            else:
-                claims = sessions.read(app, request)
-                if claims is not None:
-                    request.claims = claims
-                    if auth is not None:
-                        request.headers = auth.strip(app, request.headers)
-                    _timing(request).phase(self._session_phase, perf_counter() - start)
-                    return
-        if auth is not None:
-            claims, request.headers = auth.authorize(app, request.headers, time.time())
-            if claims is not None:  # the app requires auth: its check is a phase of its own
-                request.claims = claims
-                _timing(request).phase(self._auth_phase, perf_counter() - start)
-
-    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        if self.sessions is not None and request.path == SESSIONS_PATH:
-            return False  # a start or terminate: the handler answers it (a task: it awaits the worker)
-        return super().relay(request, down, st, ended)
-
-    async def handle(self, request: Request) -> Response:
-        sessions = self.sessions
-        if sessions is not None and request.decision is None and request.path == SESSIONS_PATH:
-            app = self.routes.app_for(request.authority)
-            if app is not None and app in sessions.apps:
-                return await self._session_control(request, app, sessions)
-        return await super().handle(request)
-
-    async def _session_control(self, request: Request, app: str, sessions: SessionBroker) -> Response:
-        self.screen(request)
-        if request.method == b"POST":
-            sessions.authorize_start(app, request)
-            return await sessions.start(app, self.tenant_key(request))
-        if request.method == b"DELETE":
-            claims = request.claims
-            if claims is None or claims.kind != "session":
-                raise Unauthorized(f"no session token to end a session of app {app!r}")
-            return await sessions.terminate(app, claims)
-        raise BlocksError(f"{request.method!r} on {SESSIONS_PATH!r}", status=405)
-
-    def decide(self, request: Request) -> Forward:
-        """Pick the replica (in memory, never awaits); count it in flight."""
-        claims = request.claims
-        if claims is not None and claims.kind == "session":
-            return self._decide_session(request, claims)
-        timing = _timing(request)
-        start = perf_counter()
-        routes = self.routes
-        app = routes.app_for(request.authority)
-        candidates = routes.replicas(app) if app is not None else None
-        if not candidates:
-            self._no_route += 1
-            raise NoRoute(
-                f"no live replica for {request.authority!r}" if app else f"no route for {request.authority!r}"
-            )
-        outliers = self.outliers
-        if outliers is None:
-            replica = self.policy.pick(request, candidates, self.in_flight)
-        else:
-            replica = self.policy.pick(request, outliers.selectable(candidates, trio.current_time()), self.in_flight)
-        timing.phase(self._phase, perf_counter() - start)
-        name = replica.name
-        self.in_flight[name] = self.in_flight.get(name, 0) + 1
-        if self.load is not None:
-            self.load.dispatched(name)
-        headers = [*request.headers, self._via, (REPLICA_HEADER, name.encode())]
-        on_status = None if outliers is None else functools.partial(_record_outcome, outliers, replica)
-        forward = Forward(replica.worker, headers, on_close=self._release(name), on_status=on_status)
-        if self.mirror is not None and app is not None:
-            forward.tee = self.mirror.tee(routes, app, request, headers, self.tenant_key)
-        return forward
-
-    def _decide_session(self, request: Request, claims: TokenClaims) -> Forward:
-        """The replica the session token names: no policy, no lookup beyond the routes in memory."""
-        assert self.sessions is not None  # only the broker's read gives session claims
-        replica = self.sessions.pinned(claims.app, claims)
-        name = replica.name
-        self.in_flight[name] = self.in_flight.get(name, 0) + 1
-        if self.load is not None:
-            self.load.dispatched(name)
-        headers = [
-            *request.headers,
-            self._via,
-            (SESSION_HEADER, (claims.session_id or "").encode()),
-            (REPLICA_HEADER, name.encode()),
-        ]
-        return Forward(replica.worker, headers, on_close=self._release(name))
-
-    def _release(self, name: str) -> Callable[[], None]:
-        in_flight, load = self.in_flight, self.load
-
-        def done() -> None:
-            in_flight[name] -= 1
-            if load is not None:
-                load.completed(name)
-
-        return done
-
-
-def _record_outcome(outliers: OutlierDetector, replica: Replica, status: int) -> None:
-    outliers.record(replica, status < 500, trio.current_time())
+        return ProxyStatistics(dict(self.in_flight), self.router.no_route)
 
 
 async def serve_proxy(
@@ -239,6 +312,7 @@ async def serve_proxy(
     session_issuer: TokenIssuer | None = None,
     session_verifier: TokenVerifier | None = None,
     mirror: MirrorConfig | None = None,
+    features: Sequence[Feature] = (),
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Proxy]] = trio.TASK_STATUS_IGNORED,
@@ -263,7 +337,8 @@ async def serve_proxy(
     the workers end; ``autoscale`` then counts a sessioned app's sessions.
     With ``mirror``, apps whose settings record has a ``mirror`` field get a
     sampled share of their requests copied to a shadow (:mod:`blocks.mirror`);
-    the shadows are cancelled once the listener has drained.
+    the shadows are cancelled once the listener has drained. ``features``
+    join the proxy's stack after auth and before the router (see :class:`Proxy`).
     """
     async with contextlib.AsyncExitStack() as stack:
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
@@ -309,6 +384,7 @@ async def serve_proxy(
             auth=auth,
             sessions=broker,
             mirror=tee,
+            features=features,
         )
         serve = functools.partial(
             serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay, upstreams=upstreams

@@ -4,31 +4,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import trio
 
 from blocks.errors import NoRoute
-from blocks.hops._hop import INTERNAL_LISTENER, Forward, Hop
-from blocks.http import BytesBody, Headers, Request, Response
-from blocks.prober._core import (
-    LOAD_PATH,
-    PROBE_HEADER,
-    REPLICA_HEADER,
-    ReplicaLoad,
-    encode_load,
-)
-from blocks.routing import Address
-from blocks.sessions import (
-    SESSION_HEADER,
-    SESSIONS_PATH,
-    SessionGone,
-    SessionTracker,
-    WorkerSessionConfig,
-)
-from blocks.sessions._broker import json_response
-from blocks.transport._h2 import H2Driver, H2Stream
+from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
+from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop
+from blocks.hops.proxy import InFlight
+from blocks.http import Response
+from blocks.prober import ReplicaLoad, load_response
+from blocks.sessions import SessionGone, SessionTracker, WorkerSessionConfig, session_control_response
+from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
 
@@ -57,20 +45,99 @@ class WorkerStatistics:
     served: dict[str, int]
 
 
+class Probes(Feature):
+    """screen: the proxy's control requests (with ``x-proxyblocks-probe``) are answered by the worker.
+
+    ``GET /.proxyblocks/load``: the replicas' load, for the prober; ``POST``
+    / ``DELETE /.proxyblocks/sessions``: open or end a session, when the
+    worker keeps sessions. Without the field, a request for those paths
+    reaches its app like any other. Other requests pay two path comparisons.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def screen(self, exchange: Exchange) -> None:
+        request = exchange.request
+        path = request.path
+        # (two compares beat building a tuple per request)
+        if (path == LOAD_PATH or path == SESSIONS_PATH) and request.header(PROBE_HEADER) is not None:  # noqa: SIM109
+            exchange.answer = self._load if path == LOAD_PATH else self._session
+
+    async def _load(self, exchange: Exchange) -> Response:
+        return self.worker.load_response()
+
+    async def _session(self, exchange: Exchange) -> Response:
+        return session_control_response(self.worker.sessions, exchange.request, exchange.hop.clock())
+
+
+class LocalRoute(Feature):
+    """route: the local replica ``x-proxyblocks-replica`` names (read by name, and removed).
+
+    An unknown name is a :class:`~blocks.errors.NoRoute` (503); without the
+    field, a worker with exactly one replica uses it (so it can be called
+    directly). ``x-proxyblocks-session``, when the proxy sent one, becomes
+    ``exchange.session`` and goes on to the replica.
+    """
+
+    def __init__(self, replicas: Mapping[str, LocalReplica], name: str) -> None:
+        self.replicas = {key.encode(): value for key, value in replicas.items()}
+        self._via = (b"via", b"2 " + name.encode())
+
+    def route(self, exchange: Exchange) -> Forward:
+        headers = exchange.request.headers
+        fields = dict(headers)  # by name; the proxy writes each of its fields once
+        key = fields.get(REPLICA_HEADER)
+        if key is None:
+            headers = headers.copy()
+        elif headers[-1][0] == REPLICA_HEADER:  # where the proxy puts it: drop it without a scan
+            headers = headers[:-1]
+        else:
+            headers = [field for field in headers if field[0] != REPLICA_HEADER]
+        name = key or b""
+        target = self.replicas.get(name)
+        if target is None:
+            if key or len(self.replicas) != 1:
+                raise NoRoute(f"replica {key!r} is not on this worker")
+            name, target = next(iter(self.replicas.items()))
+        headers.append(self._via)
+        exchange.replica = name.decode()
+        session = fields.get(SESSION_HEADER)
+        if session is not None:
+            exchange.session = session.decode("ascii", "replace")
+        return Forward(target.address, headers, protocol=target.protocol)
+
+
+class SessionCount(Feature):
+    """dispatched: a session's request counts in its session (a 410 if this worker does not host it there)."""
+
+    def __init__(self, tracker: SessionTracker) -> None:
+        self.tracker = tracker
+
+    def dispatched(self, exchange: Exchange, forward: Forward) -> None:
+        session = exchange.session
+        if session is not None:
+            replica = exchange.replica or ""
+            if not self.tracker.begin(session, replica, exchange.hop.clock()):
+                raise SessionGone(
+                    f"this worker hosts no session {session!r} on replica {replica!r}", reason="not-hosted"
+                )
+
+    def closed(self, exchange: Exchange) -> None:
+        if exchange.session is not None:
+            self.tracker.end(exchange.session, exchange.hop.clock())
+
+
 class Worker(Hop):
     """Relays each stream to the replica the proxy named, counting in-flight per replica.
 
-    It answers the proxy's control requests itself, those carrying
-    ``x-proxyblocks-probe`` (:data:`~blocks.prober._core.PROBE_HEADER`):
-    ``GET /.proxyblocks/load`` gets :meth:`load` as JSON, for the prober
-    (:mod:`blocks.prober`), and with ``sessions`` (a
-    :class:`~blocks.sessions.WorkerSessionConfig`), ``POST`` and ``DELETE
-    /.proxyblocks/sessions`` open and end sessions. The edge drops
-    ``x-proxyblocks-*`` from clients, so a client's request for those paths
-    reaches its app like any other. Normal requests pay two path
-    comparisons for it.
+    Its stack: :class:`Probes` (the proxy's load and session requests), the
+    caller's ``features``, :class:`LocalRoute`, :class:`SessionCount` (with
+    ``sessions``), :class:`~blocks.hops.proxy.InFlight` (``in_flight`` and
+    ``served`` per replica).
 
-    With ``sessions``, a request the proxy sent for a session (its id in
+    With ``sessions`` (a :class:`~blocks.sessions.WorkerSessionConfig`), a
+    request the proxy sent for a session (its id in
     ``x-proxyblocks-session``, which the replica sees too) counts in its
     session's in-flight, and gets a 410 if this worker does not host that
     session on that replica (ended idle, terminated, or a worker restart).
@@ -85,17 +152,24 @@ class Worker(Hop):
         *,
         name: str = "worker",
         sessions: WorkerSessionConfig | None = None,
+        features: Sequence[Feature] = (),
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        super().__init__(name, upstreams)
+        self.replicas = dict(replicas)
         self.sessions = (
             None
             if sessions is None
             else SessionTracker({key: replica.max_sessions for key, replica in replicas.items()}, sessions)
         )
-        self.replicas = {key.encode(): value for key, value in replicas.items()}
-        self.in_flight: dict[str, int] = dict.fromkeys(replicas, 0)
         self.served: dict[str, int] = dict.fromkeys(replicas, 0)
-        self._via = (b"via", b"2 " + name.encode())
+        accounting = InFlight(served=self.served)
+        accounting.counts.update(dict.fromkeys(replicas, 0))
+        self.in_flight = accounting.counts
+        stack: list[Feature] = [Probes(self), *features, LocalRoute(replicas, name)]
+        if self.sessions is not None:
+            stack.append(SessionCount(self.sessions))
+        stack.append(accounting)
+        super().__init__(name, upstreams, stack, clock=clock)
 
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(dict(self.in_flight), dict(self.served))
@@ -104,8 +178,7 @@ class Worker(Hop):
         """Per local replica: requests in flight now, and its configured capacity."""
         loads = {}
         tracker = self.sessions
-        for key, replica in self.replicas.items():
-            name = key.decode()
+        for name, replica in self.replicas.items():
             if tracker is None:
                 loads[name] = ReplicaLoad(self.in_flight[name], replica.capacity)
             else:
@@ -116,90 +189,7 @@ class Worker(Hop):
 
     def load_response(self) -> Response:
         """The answer to a load probe: :meth:`load` as JSON, never cached."""
-        data = encode_load(self.name, self.load())
-        headers: Headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(data)),
-            (b"cache-control", b"no-store"),
-        ]
-        return Response(200, headers, BytesBody(data))
-
-    def session_response(self, request: Request) -> Response:
-        """The answer to the proxy's session start (``POST``) or terminate (``DELETE``).
-
-        ``{"active": n, "capacity": c, "revision": r}`` of the replica either way, with
-        201 (opened) or 409 (the replica, or the worker, is full) for a
-        start, 200 (ended) or 404 (no such session) for a terminate.
-        """
-        tracker = self.sessions
-        session = request.header(SESSION_HEADER)
-        replica = (request.header(REPLICA_HEADER) or b"").decode("ascii", "replace")
-        if tracker is None or session is None or replica not in tracker.capacities:
-            return json_response(404, {"error": "no such replica, or this worker keeps no sessions"})
-        name = session.decode("ascii", "replace")
-        if request.method == b"POST":
-            status = 201 if tracker.open(name, replica, trio.current_time()) else 409
-        elif request.method == b"DELETE":
-            status = 200 if tracker.terminate(name) is not None else 404
-        else:
-            return json_response(405, {"error": "POST or DELETE"})
-        active = tracker.active(replica)
-        capacity = tracker.capacities[replica]
-        return json_response(status, {"active": active, "capacity": capacity, "revision": tracker.revision})
-
-    def relay(self, request: Request, down: H2Driver, st: H2Stream, ended: bool) -> bool:
-        path = request.path
-        if path == LOAD_PATH or path == SESSIONS_PATH:  # noqa: SIM109  (two compares beat building a tuple per request)
-            return False  # the handler answers the proxy (or forwards a client's request for this path)
-        return super().relay(request, down, st, ended)
-
-    async def handle(self, request: Request) -> Response:
-        # A declined fast path left its decision: only an undecided request can be a probe.
-        if request.decision is None and request.header(PROBE_HEADER) is not None:
-            if request.path == LOAD_PATH:
-                return self.load_response()
-            if request.path == SESSIONS_PATH:
-                return self.session_response(request)
-        return await super().handle(request)
-
-    def decide(self, request: Request) -> Forward:
-        """The replica the proxy named, and the fields to send it; counts it in flight."""
-        headers = request.headers
-        if headers and headers[-1][0] == REPLICA_HEADER:  # where the proxy puts it
-            key = headers[-1][1]
-            headers = headers[:-1]
-        else:
-            found = [v for n, v in headers if n == REPLICA_HEADER]
-            key = found[0] if found else b""
-            headers = [(n, v) for n, v in headers if n != REPLICA_HEADER]
-        target = self.replicas.get(key)
-        if target is None:
-            if key or len(self.replicas) != 1:
-                raise NoRoute(f"replica {key!r} is not on this worker")
-            key, target = next(iter(self.replicas.items()))
-        headers.append(self._via)
-        name = key.decode()
-        tracker = self.sessions
-        if tracker is not None and len(headers) > 1 and headers[-2][0] == SESSION_HEADER:  # the proxy puts it there
-            session = headers[-2][1].decode("ascii", "replace")
-            if not tracker.begin(session, name, trio.current_time()):
-                raise SessionGone(f"this worker hosts no session {session!r} on replica {name!r}", reason="not-hosted")
-            self.in_flight[name] += 1
-            self.served[name] += 1
-            return Forward(
-                target.address,
-                headers,
-                protocol=target.protocol,
-                on_close=functools.partial(self._session_done, name, session),
-            )
-        self.in_flight[name] += 1
-        self.served[name] += 1
-        return Forward(target.address, headers, protocol=target.protocol, on_close=_decrement(self.in_flight, name))
-
-    def _session_done(self, name: str, session: str) -> None:
-        self.in_flight[name] -= 1
-        if self.sessions is not None:
-            self.sessions.end(session, trio.current_time())
+        return load_response(self.name, self.load())
 
 
 async def serve_worker(
@@ -209,6 +199,7 @@ async def serve_worker(
     port: int = 0,
     name: str = "worker",
     sessions: WorkerSessionConfig | None = None,
+    features: Sequence[Feature] = (),
     listener: ListenerConfig = INTERNAL_LISTENER,
     upstream: UpstreamConfig | None = None,
     task_status: trio.TaskStatus[tuple[HTTPServer, Worker]] = trio.TASK_STATUS_IGNORED,
@@ -219,7 +210,7 @@ async def serve_worker(
     replica's ``max_sessions``) and ends the idle ones.
     """
     async with open_upstreams(upstream) as upstreams, trio.open_nursery() as nursery:
-        worker = Worker(replicas, upstreams, name=name, sessions=sessions)
+        worker = Worker(replicas, upstreams, name=name, sessions=sessions, features=features)
         if worker.sessions is not None:
             nursery.start_soon(_expire_sessions, worker.sessions)
         serve = functools.partial(
@@ -236,10 +227,3 @@ async def _expire_sessions(tracker: SessionTracker) -> None:
         await trio.sleep(interval)
         for session, replica in tracker.expire(trio.current_time()):
             log.debug("session %s on %s ended: idle", session, replica)
-
-
-def _decrement(counts: dict[str, int], key: str) -> Callable[[], None]:
-    def done() -> None:
-        counts[key] -= 1
-
-    return done

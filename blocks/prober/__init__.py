@@ -23,7 +23,7 @@ from blocks.prober._core import (
     encode_load,
     parse_load,
 )
-from blocks.prober._driver import Prober, ProberStatistics, WorkerProbeStatistics, open_prober
+from blocks.prober._driver import Prober, ProberStatistics, WorkerProbeStatistics, load_response, open_prober
 
 __all__ = [
     "LOAD_PATH",
@@ -43,6 +43,7 @@ __all__ = [
     "ReplicaLoad",
     "WorkerProbeStatistics",
     "encode_load",
+    "load_response",
     "open_prober",
     "parse_load",
 ]

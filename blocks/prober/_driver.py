@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from blocks._sync import one_error
-from blocks.http import Request
+from blocks.http import BytesBody, Headers, Request, Response
 from blocks.prober._core import (
     LOAD_PATH,
     PROBE_HEADER,
@@ -36,6 +36,8 @@ from blocks.prober._core import (
     LoadEstimator,
     LoadReport,
     ProberConfig,
+    ReplicaLoad,
+    encode_load,
     parse_load,
 )
 
@@ -271,3 +273,14 @@ async def open_prober(
                 yield prober
             finally:
                 nursery.cancel_scope.cancel()
+
+
+def load_response(worker: str, replicas: Mapping[str, ReplicaLoad]) -> Response:
+    """A worker's answer to a load probe: :func:`encode_load` as JSON, never cached."""
+    data = encode_load(worker, replicas)
+    headers: Headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(data)),
+        (b"cache-control", b"no-store"),
+    ]
+    return Response(200, headers, BytesBody(data))

@@ -194,7 +194,8 @@ def token_tenant(fallback: TenantKey | None = None) -> TenantKey:
     other = fallback or header_tenant()
 
     def key(request: Request) -> str:
-        claims = request.claims
+        exchange = request.exchange
+        claims = exchange.claims if exchange is not None else None
         if claims is not None and claims.tenant:
             tenant: str = claims.tenant
             return tenant

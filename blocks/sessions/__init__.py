@@ -34,7 +34,7 @@ Module map: ``_core`` (sans-IO: :class:`SessionPlacer`, :class:`SessionTracker`,
 configs), ``_broker`` (the proxy's trio side).
 """
 
-from blocks.sessions._broker import SessionBroker, open_sessions
+from blocks.sessions._broker import SessionBroker, open_sessions, session_control_response
 from blocks.sessions._core import (
     ENDED_HEADER,
     SESSION_HEADER,
@@ -65,4 +65,5 @@ __all__ = [
     "TrackerStatistics",
     "WorkerSessionConfig",
     "open_sessions",
+    "session_control_response",
 ]

@@ -15,16 +15,15 @@ import trio
 
 from blocks._sync import one_error
 from blocks.errors import NoRoute, Unauthorized, UpstreamProtocolError, UpstreamTimeout
+from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
 from blocks.http import BytesBody, Headers, Request, Response
-from blocks.prober._core import PROBE_HEADER, REPLICA_HEADER
 from blocks.sessions._core import (
-    SESSION_HEADER,
-    SESSIONS_PATH,
     SessionConfig,
     SessionGone,
     SessionPlacer,
     SessionStatistics,
     SessionTicket,
+    SessionTracker,
 )
 from blocks.tokens._proxy_auth import take_token
 
@@ -93,19 +92,20 @@ class SessionBroker:
         """Remove any session token from the request's fields (a start is authorized by proxy auth, not by one)."""
         request.headers = take_token(request.headers, self.config.header, self.config.cookie)[1]
 
-    def authorize_start(self, app: str, request: Request) -> None:
+    def authorize_start(self, app: str, request: Request, claims: TokenClaims | None) -> TokenClaims | None:
         """With ``require_auth``, a start needs a proxy-auth token for ``app``: 401 without one.
 
-        A request the proxy's own auth already let in (its claims are an
-        ``auth`` token's) needs nothing more.
+        ``claims`` are what the proxy's own auth verified (None: nothing); a
+        request they already let in (an ``auth`` token's) needs nothing more.
+        Returns the claims the start is authorized by (stripping the token
+        it reads).
         """
-        claims = request.claims
         if not self.config.require_auth or (claims is not None and claims.kind == "auth"):
-            return
+            return claims
         token, request.headers = take_token(request.headers, b"authorization", bearer=True)
         if token is None:
             raise Unauthorized(f"no proxy-auth token to start a session of app {app!r}")
-        request.claims = self.verifier.verify(token, now=self.clock(), app=app, kind="auth")
+        return self.verifier.verify(token, now=self.clock(), app=app, kind="auth")
 
     def read(self, app: str, request: Request) -> TokenClaims | None:
         """The verified claims of the request's session token for ``app`` (now stripped), or None without one.
@@ -302,6 +302,34 @@ def json_response(status: int, document: object) -> Response:
     """A small JSON answer (the worker's session control answers)."""
     body = json.dumps(document, separators=(",", ":")).encode()
     return Response(status, _json_headers(body), BytesBody(body))
+
+
+def session_control_response(tracker: SessionTracker | None, request: Request, now: float) -> Response:
+    """A worker's answer to the proxy's session start (``POST``) or terminate (``DELETE``) at ``now``.
+
+    The request names the session (``x-proxyblocks-session``) and the
+    replica (``x-proxyblocks-replica``). The answer is ``{"active": n,
+    "capacity": c, "revision": r}`` of the replica either way, with 201
+    (opened) or 409 (the replica, or the worker, is full) for a start, 200
+    (ended) or 404 (no such session) for a terminate; 404 for a replica the
+    tracker does not know (or no tracker: the worker keeps no sessions), 405
+    for another method.
+    """
+    session = request.header(SESSION_HEADER)
+    replica = (request.header(REPLICA_HEADER) or b"").decode("ascii", "replace")
+    if tracker is None or session is None or replica not in tracker.capacities:
+        return json_response(404, {"error": "no such replica, or this worker keeps no sessions"})
+    name = session.decode("ascii", "replace")
+    if request.method == b"POST":
+        status = 201 if tracker.open(name, replica, now) else 409
+    elif request.method == b"DELETE":
+        status = 200 if tracker.terminate(name) is not None else 404
+    else:
+        return json_response(405, {"error": "POST or DELETE"})
+    capacity = tracker.capacities[replica]
+    return json_response(
+        status, {"active": tracker.active(replica), "capacity": capacity, "revision": tracker.revision}
+    )
 
 
 @asynccontextmanager

@@ -8,7 +8,8 @@ without gaps or duplicates; the proxy reads the cache, never the source.
 See ``docs/sources.md``.
 """
 
-from blocks.sources._base import Compacted, Progress, RouteSource, SourceError, SourceUnavailable
+from blocks.errors import Compacted, RouteFileError, SourceError, SourceUnavailable
+from blocks.sources._base import Progress, RouteSource
 from blocks.sources.embedded import EmbeddedStore, EmbeddedStoreStatistics
 from blocks.sources.etcd import EtcdSource
 from blocks.sources.reconcile import (
@@ -18,7 +19,7 @@ from blocks.sources.reconcile import (
     open_route_cache,
     reconcile,
 )
-from blocks.sources.routefile import RouteFileError, read_route_file, write_route_file
+from blocks.sources.routefile import read_route_file, write_route_file
 
 __all__ = [
     # the protocol

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
-from blocks.errors import BlocksError
-
 if TYPE_CHECKING:
     from blocks.routing import RouteEvent
 
@@ -25,31 +23,6 @@ class Progress:
     """
 
     revision: int
-
-
-class SourceError(BlocksError):
-    """Root of the route sources' errors. Never reaches a client: routing reads memory."""
-
-    status = 503
-
-
-class SourceUnavailable(SourceError):
-    """The source cannot be reached, answered nonsense, or the watch broke (or went silent).
-
-    The reconciler keeps serving the last good state and retries with backoff.
-    """
-
-
-class Compacted(SourceError):
-    """The history a watch asked for is gone: the reconciler reloads a snapshot.
-
-    ``compact_revision`` is the oldest revision the source still has history
-    after (a watch from it or later would work), or 0 if unknown.
-    """
-
-    def __init__(self, message: str = "", *, compact_revision: int = 0) -> None:
-        super().__init__(message)
-        self.compact_revision = compact_revision
 
 
 class RouteSource(Protocol):

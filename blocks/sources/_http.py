@@ -24,7 +24,7 @@ import attrs
 import h11
 import trio
 
-from blocks.sources._base import SourceUnavailable
+from blocks.errors import SourceUnavailable
 from blocks.transport._h1 import H1Stream
 
 _ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)

@@ -25,9 +25,10 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 import attrs
 import trio
 
+from blocks.errors import Compacted, RouteFileError
 from blocks.routing import RouteEvent
-from blocks.sources._base import Compacted, Progress
-from blocks.sources.routefile import RouteFileError, parse_route_file, read_route_file
+from blocks.sources._base import Progress
+from blocks.sources.routefile import parse_route_file, read_route_file
 
 _RACY_NS = 2_000_000_000
 """A file modified this recently (ns) is read and hashed even when its stat

@@ -42,8 +42,9 @@ from typing import Any
 
 import trio
 
+from blocks.errors import Compacted, SourceUnavailable
 from blocks.routing import RouteEvent
-from blocks.sources._base import Compacted, Progress, SourceUnavailable
+from blocks.sources._base import Progress
 from blocks.sources._http import Endpoint, Exchange, post_json
 
 

@@ -32,8 +32,9 @@ import attrs
 import trio
 
 from blocks._sync import one_error
+from blocks.errors import Compacted, SourceUnavailable
 from blocks.routing import RouteCache
-from blocks.sources._base import Compacted, Progress, RouteSource, SourceUnavailable
+from blocks.sources._base import Progress, RouteSource
 
 
 def _positive_finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:

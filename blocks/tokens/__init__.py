@@ -91,14 +91,8 @@ The modules
 - ``_proxy_auth``: :class:`ProxyAuth`, what the proxy runs per request.
 """
 
-from blocks.tokens._format import (
-    DEFAULT_MAX_SIZE,
-    VERSION,
-    InvalidToken,
-    TokenClaims,
-    TokenKind,
-    TokenReason,
-)
+from blocks.errors import InvalidToken
+from blocks.tokens._format import DEFAULT_MAX_SIZE, VERSION, TokenClaims, TokenKind, TokenReason
 from blocks.tokens._keys import Algorithm, Keyring, TokenIssuer, TokenKey
 from blocks.tokens._proxy_auth import ProxyAuth, ProxyAuthStatistics
 from blocks.tokens._verifier import TokenVerifier, TokenVerifierConfig, TokenVerifierStatistics

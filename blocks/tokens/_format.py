@@ -7,8 +7,6 @@ import enum
 import json
 from typing import Final, Literal, NamedTuple
 
-from blocks.errors import Unauthorized
-
 TokenKind = Literal["auth", "session"]
 """``auth``: a proxy-auth token (opens one app). ``session``: a session token (names a session and its replica)."""
 
@@ -48,19 +46,6 @@ class TokenReason(enum.Enum):
     WRONG_APP = "wrong_app"
     EXPIRED = "expired"
     NOT_YET_VALID = "not_yet_valid"
-
-
-class InvalidToken(Unauthorized):
-    """A token failed a check: 401 with ``www-authenticate: Bearer`` if it escapes a handler.
-
-    ``reason`` says which check (a :class:`TokenReason`). Like every
-    :class:`~blocks.errors.BlocksError` message, this one goes to logs and
-    statistics only, and it never contains the token.
-    """
-
-    def __init__(self, reason: TokenReason) -> None:
-        super().__init__(f"token rejected: {reason.value}")
-        self.reason = reason
 
 
 # -- claims -----------------------------------------------------------------------------------

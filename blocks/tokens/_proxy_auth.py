@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from blocks.errors import Unauthorized
-from blocks.tokens._format import InvalidToken, TokenClaims
+from blocks.errors import InvalidToken, Unauthorized
+from blocks.tokens._format import TokenClaims
 from blocks.tokens._verifier import TokenVerifier
 
 if TYPE_CHECKING:

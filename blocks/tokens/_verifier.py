@@ -8,16 +8,8 @@ from collections import OrderedDict
 
 import attrs
 
-from blocks.tokens._format import (
-    DEFAULT_MAX_SIZE,
-    KINDS,
-    VERSION,
-    InvalidToken,
-    TokenClaims,
-    TokenKind,
-    TokenReason,
-    decode_claims,
-)
+from blocks.errors import InvalidToken
+from blocks.tokens._format import DEFAULT_MAX_SIZE, KINDS, VERSION, TokenClaims, TokenKind, TokenReason, decode_claims
 from blocks.tokens._keys import Compiled, Keyring
 
 log = logging.getLogger("blocks.tokens")

@@ -1,0 +1,59 @@
+"""Every field and path the hops use to talk to each other, defined once: who writes it, who reads it.
+
+The edge drops every ``x-proxyblocks-*`` field a client sends
+(:data:`INTERNAL_PREFIX`), so a field below reaches a hop only when a hop
+behind the edge wrote it. The ``/.proxyblocks/*`` paths are answered by a
+hop only when the request also carries such a field; without one, a
+client's request for the same path reaches its app like any other.
+
+Readers find a field by name, never by its position among the fields.
+"""
+
+from __future__ import annotations
+
+INTERNAL_PREFIX = b"x-proxyblocks-"
+"""The prefix of every field below: the edge drops a client's fields that start with it."""
+
+REPLICA_HEADER = b"x-proxyblocks-replica"
+"""Written by the proxy (its route or a session's pin): the replica it picked.
+Read, and removed, by the worker, which forwards the request to that replica."""
+
+SESSION_HEADER = b"x-proxyblocks-session"
+"""Written by the proxy for a request of a session (its id, from the signed
+session token). Read by the worker, which counts the request in that session
+(a 410 if it does not host it), and seen by the replica."""
+
+PROBE_HEADER = b"x-proxyblocks-probe"
+"""Written by the proxy's prober and session broker on their own requests.
+Read by the worker: with it, :data:`LOAD_PATH` and :data:`SESSIONS_PATH`
+are answered by the worker itself."""
+
+MIRROR_HEADER = b"x-proxyblocks-mirror"
+"""Written by the proxy's mirror on every copy it sends a shadow (the default
+of ``MirrorConfig.header``), so a shadow can tell a copy from live traffic.
+Read by the shadow's app, if it cares; no hop reads it."""
+
+ENDED_HEADER = b"proxyblocks-session-ended"
+"""Written by the proxy or the worker on a session's 410, for the client:
+``replica-gone`` or ``not-hosted``. (Not internal: it is meant to reach the client.)"""
+
+LOAD_PATH = b"/.proxyblocks/load"
+"""``GET`` with :data:`PROBE_HEADER`: the worker answers with its replicas'
+load as JSON (written by the prober, read by the worker)."""
+
+SESSIONS_PATH = b"/.proxyblocks/sessions"
+"""At the proxy, from a client: ``POST`` starts a session of a sessioned app,
+``DELETE`` (with its session token) ends it. From the proxy's session broker
+to the worker, with :data:`PROBE_HEADER` and :data:`SESSION_HEADER`: open or
+end that session on the replica :data:`REPLICA_HEADER` names."""
+
+__all__ = [
+    "ENDED_HEADER",
+    "INTERNAL_PREFIX",
+    "LOAD_PATH",
+    "MIRROR_HEADER",
+    "PROBE_HEADER",
+    "REPLICA_HEADER",
+    "SESSIONS_PATH",
+    "SESSION_HEADER",
+]
