@@ -6,24 +6,21 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
 import trio
 
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import Body, Headers, Request, Response, abandon, empty_body
 from blocks.transport import Address
-from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked, in_batch, make_h2
+from blocks.transport._codec import ErrorCodes, EventKind, ProtocolError, make_h2
+from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked, in_batch
 from blocks.transport._splice import HeadFilter, Sink, Splice
 from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 
 log = logging.getLogger("blocks.multiplexer")
 
-_CANCEL = h2.errors.ErrorCodes.CANCEL
-_REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
+_CANCEL = ErrorCodes.CANCEL
+_REFUSED = ErrorCodes.REFUSED_STREAM
 
 
 class _Refused(UpstreamProtocolError):
@@ -38,19 +35,6 @@ def _unanswered(st: H2Stream) -> bool:
     return st.head is None and (st.splice is None or not st.splice.head_sent)
 
 
-# h2's connection state machine, except that a GOAWAY received leaves it open.
-# h2 moves to CLOSED on any GOAWAY it receives and then rejects every other
-# frame, including those that came in the same read right behind it (the
-# responses of the very streams the GOAWAY lets finish, a PING), before the
-# reader could put the state back with ``survive_goaway``: the connection
-# would die with them. ``accepting`` is what stops new streams.
-_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
-_OUTLIVE_GOAWAY = {
-    **h2.connection.H2ConnectionStateMachine._transitions,
-    (_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _OPEN),
-}
-
-
 class H2ClientConnection(H2Driver):
     """One pooled h2 connection to an upstream."""
 
@@ -63,23 +47,28 @@ class H2ClientConnection(H2Driver):
             max_concurrent_streams=100,
             stream_window=config.stream_window,
             max_header_list_size=config.max_header_list_size,
+            # A GOAWAY received leaves the codec open for the frames behind it
+            # (the responses of the streams it lets finish): ``accepting`` is
+            # what stops new streams.
+            outlive_goaway=True,
         )
-        conn.state_machine._transitions = _OUTLIVE_GOAWAY
         super().__init__(stream, conn, connection_window=config.connection_window)
         self.pool = pool
         self._cap = config.max_streams_per_connection
         self.accepting = True  # false after a GOAWAY or a failure: no new streams
         self._ready = trio.Event()
-        self.handlers = {
-            h2.events.ResponseReceived: self._on_response,
-            h2.events.DataReceived: self.on_data,
-            h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.TrailersReceived: self.on_trailers,
-            h2.events.StreamReset: self.on_reset,
-            h2.events.WindowUpdated: self.on_window_updated,
-            h2.events.RemoteSettingsChanged: self.on_settings,
-            h2.events.ConnectionTerminated: self._on_terminated,
-        }
+        self.handlers = self.bind(
+            {
+                EventKind.RESPONSE: self._on_response,
+                EventKind.DATA: self.on_data,
+                EventKind.STREAM_ENDED: self._on_stream_ended,
+                EventKind.TRAILERS: self.on_trailers,
+                EventKind.RESET: self.on_reset,
+                EventKind.WINDOW_UPDATED: self.on_window_updated,
+                EventKind.SETTINGS_CHANGED: self.on_settings,
+                EventKind.TERMINATED: self._on_terminated,
+            }
+        )
 
     def __repr__(self) -> str:
         host, port = self.pool.address
@@ -125,7 +114,7 @@ class H2ClientConnection(H2Driver):
                     break
                 try:
                     events = self.h2.receive_data(data)
-                except h2.exceptions.ProtocolError as exc:
+                except ProtocolError as exc:
                     log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
                     break
                 self.dispatch(events)
@@ -216,7 +205,7 @@ class H2ClientConnection(H2Driver):
         if not self.accepting and not self.streams and not self.closed:
             try:
                 self.h2.close_connection()
-            except h2.exceptions.ProtocolError:
+            except ProtocolError:
                 pass
             self.mark_closed()
 
@@ -235,7 +224,7 @@ class H2ClientConnection(H2Driver):
 
     # -- events --------------------------------------------------------------------
 
-    def _on_response(self, ev: h2.events.ResponseReceived) -> None:
+    def _on_response(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None:
             return
@@ -259,7 +248,7 @@ class H2ClientConnection(H2Driver):
         if st.signal is not None:
             st.signal.set()
 
-    def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
+    def _on_stream_ended(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None:
             return
@@ -272,19 +261,19 @@ class H2ClientConnection(H2Driver):
         if st.local_ended:
             self.finish_stream(st)
 
-    def on_reset(self, ev: h2.events.StreamReset) -> None:
+    def on_reset(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None and ev.error_code == _REFUSED and _unanswered(st):
             self._refuse(st, "REFUSED_STREAM")
         else:
             super().on_reset(ev)
 
-    def on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+    def on_settings(self, ev: Any) -> None:
         self._ready.set()
         super().on_settings(ev)
         self.pool.slot_freed()
 
-    def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
+    def _on_terminated(self, ev: Any) -> None:
         # No new stream from now on. Streams above the last id were never
         # processed, whatever the error code (RFC 9113 6.8); the others finish
         # if the GOAWAY is graceful, and fail with the connection if not.
@@ -588,7 +577,7 @@ class _H2Pool:
             st = conn.open_spliced(
                 request, headers, down, down_st, request_ended=request_ended, head_filter=head_filter, on_close=on_close
             )
-        except (h2.exceptions.ProtocolError, UpstreamProtocolError):
+        except (ProtocolError, UpstreamProtocolError):
             return False  # the handler path tries again, and answers the error if it stands
         self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
         return True
@@ -600,7 +589,7 @@ class _H2Pool:
             return False
         try:
             st = conn._send_head(request, headers, True)
-        except (h2.exceptions.ProtocolError, UpstreamProtocolError):
+        except (ProtocolError, UpstreamProtocolError):
             return False
         st.local_ended = True
         st.splice = sink  # type: ignore[assignment]  # duck-typed: the drivers call what a splice has
@@ -626,7 +615,7 @@ class _H2Pool:
             if conn is None:
                 raise UpstreamTimeout(f"no stream slot at {self.address} within {timeout}s")
             st = replay.resume(conn)
-        except (UpstreamConnectError, UpstreamTimeout, UpstreamProtocolError, h2.exceptions.ProtocolError) as exc:
+        except (UpstreamConnectError, UpstreamTimeout, UpstreamProtocolError, ProtocolError) as exc:
             if not replay.splice.closed:
                 replay.give_up(exc)
             return
@@ -691,7 +680,7 @@ class _H2Pool:
             if upload.broken:  # the body broke since the refusal: nothing will complete it
                 conn.reset(st, _CANCEL)
             return st, upload
-        except h2.exceptions.ProtocolError as exc:
+        except ProtocolError as exc:
             raise UpstreamProtocolError(f"cannot open a stream to {self.address}: {exc}") from exc
 
     async def _pump(self, upload: _Upload) -> None:
@@ -720,7 +709,7 @@ class _H2Pool:
                         await conn.send_data(st, chunk, end_stream=last)
                         if last:
                             break
-                except (StreamReset, h2.exceptions.ProtocolError):
+                except (StreamReset, ProtocolError):
                     # The client's upload broke, or the upstream stream went away.
                     upload.broken = True
                     upload.conn.reset(upload.st, _CANCEL)
