@@ -31,7 +31,8 @@ def relied_on(owner: object, name: str, where: str) -> object:
 
 
 def test_the_connection_state_machine_table_outlived_goaway() -> None:
-    table = relied_on(h2.connection.H2ConnectionStateMachine, "_transitions", "blocks/transport/_codec.py (_OUTLIVE_GOAWAY)")
+    machine = h2.connection.H2ConnectionStateMachine
+    table = relied_on(machine, "_transitions", "blocks/transport/_codec.py (_OUTLIVE_GOAWAY)")
     assert isinstance(table, dict)
     key = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY)
     assert key in table, "the pool rewrites this transition so that a GOAWAY leaves the connection open"
@@ -95,9 +96,8 @@ def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
 
 
 def test_the_outliving_state_machine_takes_the_frames_behind_a_goaway() -> None:
-    codec = make_h2(
-        client_side=True, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536, outlive_goaway=True
-    )
+    limits = {"max_concurrent_streams": 10, "stream_window": 65535, "max_header_list_size": 65536}
+    codec = make_h2(client_side=True, outlive_goaway=True, **limits)
     assert isinstance(codec, H2Codec)
     codec.initiate_connection()
     codec.send_headers(1, [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")])

@@ -48,6 +48,9 @@ A codec also:
 - never validates or normalises header fields (the edge validates request
   heads once, :mod:`blocks.transport._validate`), and leaves a request's
   ``content-length`` to the listener when asked (``check_lengths=False``);
+- sends a field given as an ``hpack.NeverIndexedHeaderTuple`` (``server-timing``,
+  made in :mod:`blocks.timing`) never-indexed, and literals without Huffman
+  coding unless asked (``huffman``);
 - enforces the abuse limits of :class:`GuardedFrameBuffer` on a server
   (``guard``), and counts what the driver reports through ``control_frame``;
 - keeps a graceful GOAWAY from closing the connection: ``goaway_frame``
@@ -107,7 +110,7 @@ class EventKind(enum.Enum):
     TERMINATED = "terminated"
 
 
-class RemoteSettings(Protocol):
+class CodecSettings(Protocol):
     """The peer's settings, as far as the drivers read them."""
 
     @property
@@ -130,7 +133,7 @@ class Codec(Protocol):
     def highest_inbound_stream_id(self) -> int: ...
 
     @property
-    def remote_settings(self) -> RemoteSettings: ...
+    def remote_settings(self) -> CodecSettings: ...
 
     def initiate_connection(self) -> None:
         """Queue the preface (a client's) and our SETTINGS."""
