@@ -173,6 +173,7 @@ from blocks.tokens import (
     TokenVerifierConfig,
     TokenVerifierStatistics,
 )
+from blocks.transport._codec import Codec, CodecSettings, EventKind
 from blocks.transport._h2 import H2ConnectionStatistics, H2Driver, H2Stream, Relay
 from blocks.transport._splice import Sink
 from blocks.transport._tap import Tee
@@ -308,6 +309,9 @@ __all__ = [
     "serve_proxy",
     "serve_worker",
     # the fast path (what a hop's relay and a pool's splice take)
+    "Codec",
+    "CodecSettings",
+    "EventKind",
     "H2Driver",
     "H2Stream",
     "Relay",

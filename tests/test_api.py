@@ -14,9 +14,9 @@ import blocks
 BLOCKS = Path(blocks.__file__).resolve().parent
 WHOLE = ["routing", "tokens"]
 """Blocks that are sans-IO as a whole (they have no trio driver)."""
-SANS_IO = [*WHOLE, *sorted(".".join(p.relative_to(BLOCKS).with_suffix("").parts) for p in BLOCKS.rglob("_core.py"))]
-"""Sans-IO modules: those blocks, and every block's ``_core.py`` (found by its name), whose
-trio driver sits beside it."""
+SANS_IO = [*WHOLE, *sorted(".".join(p.relative_to(BLOCKS).with_suffix("").parts) for p in BLOCKS.rglob("_core*.py"))]
+"""Sans-IO modules: those blocks, and every block's ``_core.py`` and ``_core_*.py`` (a core split
+in parts, found by name), whose trio driver sits beside them."""
 
 
 def _sans_io_modules() -> list[tuple[str, Path]]:
@@ -38,7 +38,7 @@ def _driver_packages(module: str) -> list[str]:
     whole, and every package with a core (a core may use another block's core, never its driver)."""
     parts = module.split(".")[:-1]
     above = [".".join(parts[: i + 1]) for i in range(len(parts)) if ".".join(parts[: i + 1]) not in SANS_IO]
-    cores = [name.rpartition(".")[0] for name in SANS_IO if name.endswith("._core")]
+    cores = [name.rpartition(".")[0] for name in SANS_IO if name.rpartition(".")[2].startswith("_core")]
     return sorted(set(above) | set(cores))
 
 
@@ -50,10 +50,12 @@ def test_the_sans_io_list_names_real_modules() -> None:
         "routing._policies",
         "routing._rendezvous",
         "scheduler._core",
+        "scheduler._core_config",
         "mirror._core",
         "prober._core",
         "tokens",
         "sessions._core",
+        "sessions._core_tracker",
     }
     assert expected <= set(names)
     assert len(names) == len(_sans_io_modules())

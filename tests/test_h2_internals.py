@@ -19,7 +19,8 @@ import pytest
 import trio
 import trio.testing
 
-from blocks.transport._h2 import GuardedFrameBuffer, H2Driver, acknowledge, make_h2
+from blocks.transport._codec import GuardedFrameBuffer, H2Codec, make_h2
+from blocks.transport._h2 import H2Driver, acknowledge
 
 
 def relied_on(owner: object, name: str, where: str) -> object:
@@ -30,7 +31,8 @@ def relied_on(owner: object, name: str, where: str) -> object:
 
 
 def test_the_connection_state_machine_table_outlived_goaway() -> None:
-    table = relied_on(h2.connection.H2ConnectionStateMachine, "_transitions", "blocks/transport/multiplexer/_h2pool.py")
+    machine = h2.connection.H2ConnectionStateMachine
+    table = relied_on(machine, "_transitions", "blocks/transport/_codec.py (_OUTLIVE_GOAWAY)")
     assert isinstance(table, dict)
     key = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY)
     assert key in table, "the pool rewrites this transition so that a GOAWAY leaves the connection open"
@@ -40,18 +42,18 @@ def test_the_connection_state_machine_table_outlived_goaway() -> None:
 
 def test_new_streams_are_made_by_one_method_with_the_content_length_checks_as_methods() -> None:
     begin = relied_on(
-        h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_h2.py (_LengthUncheckedConnection)"
+        h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_codec.py (_LengthUncheckedCodec)"
     )
     assert list(inspect.signature(begin).parameters) == ["self", "stream_id", "allowed_ids"]
     for name in ("_initialize_content_length", "_track_content_length"):
-        relied_on(h2.stream.H2Stream, name, "blocks/transport/_h2.py (_LengthUncheckedStream)")
+        relied_on(h2.stream.H2Stream, name, "blocks/transport/_codec.py (_LengthUncheckedStream)")
     assert not hasattr(h2.stream.H2Stream, "__slots__") or "__dict__" in h2.stream.H2Stream.__slots__, (
         "_LengthUncheckedStream swaps __class__ on h2's streams: they must share a layout"
     )
 
 
 def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method() -> None:
-    relied_on(h2.frame_buffer.FrameBuffer, "_update_header_buffer", "blocks/transport/_h2.py (GuardedFrameBuffer)")
+    relied_on(h2.frame_buffer.FrameBuffer, "_update_header_buffer", "blocks/transport/_codec.py (GuardedFrameBuffer)")
     guard = GuardedFrameBuffer(max_header_block=1024, max_empty=8, flood_limit=10, flood_window=1.0)
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     guard.add_data(preface + b"\x00\x00\x00")
@@ -60,10 +62,10 @@ def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method
 
 def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
     server = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
-    window = relied_on(server, "_inbound_flow_control_window_manager", "H2Driver.statistics in transport/_h2.py")
+    window = relied_on(server, "_inbound_flow_control_window_manager", "H2Codec.inbound_books in transport/_codec.py")
     assert isinstance(window, h2.windows.WindowManager)
     for name in ("max_window_size", "current_window_size", "_bytes_processed"):
-        assert isinstance(getattr(window, name, None), int), f"WindowManager.{name} (H2Driver.statistics)"
+        assert isinstance(getattr(window, name, None), int), f"WindowManager.{name} (H2Codec.inbound_books)"
     # And they mean what the statistics make of them: 1000 bytes held, then none.
     driver = H2Driver(trio.testing.memory_stream_pair()[0], server, connection_window=1 << 24)
     driver.start()
@@ -75,3 +77,41 @@ def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
     assert driver.statistics().unacknowledged == 1000
     acknowledge(server, 1000, 1)
     assert driver.statistics().unacknowledged == 0
+
+
+def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
+    for side in (True, False):
+        codec = make_h2(client_side=side, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
+        relied_on(codec.state_machine, "state", "blocks/transport/_codec.py (H2Codec.reopen_after_goaway)")
+        codec.initiate_connection()
+        codec.receive_data(
+            (b"" if side else b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # SETTINGS
+            + b"\x00\x00\x08\x07\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"  # GOAWAY(0, NO_ERROR)
+        )
+        assert codec.state_machine.state is h2.connection.ConnectionState.CLOSED, "h2 closes on a GOAWAY received"
+        codec.reopen_after_goaway()
+        opened = h2.connection.ConnectionState.CLIENT_OPEN if side else h2.connection.ConnectionState.SERVER_OPEN
+        assert codec.state_machine.state is opened
+
+
+def test_the_outliving_state_machine_takes_the_frames_behind_a_goaway() -> None:
+    limits = {"max_concurrent_streams": 10, "stream_window": 65535, "max_header_list_size": 65536}
+    codec = make_h2(client_side=True, outlive_goaway=True, **limits)
+    assert isinstance(codec, H2Codec)
+    codec.initiate_connection()
+    codec.send_headers(1, [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")])
+    events = codec.receive_data(
+        b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # SETTINGS
+        + b"\x00\x00\x08\x07\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"  # GOAWAY(0, NO_ERROR)
+        + b"\x00\x00\x08\x06\x00\x00\x00\x00\x00pingping"  # PING, behind it
+    )
+    assert [type(ev).__name__ for ev in events][-2:] == ["ConnectionTerminated", "PingReceived"]
+
+
+def test_every_event_the_drivers_handle_is_mapped_to_its_kind() -> None:
+    import h2.events
+
+    kinds = H2Codec.event_kinds
+    assert all(isinstance(cls, type) and issubclass(cls, h2.events.Event) for cls in kinds)
+    assert len(set(kinds.values())) == len(kinds), "one h2 event class per kind"

@@ -80,126 +80,30 @@ import heapq
 import math
 from array import array
 from collections import deque
-from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
-import attrs
+from blocks.scheduler._core_config import (
+    QueueFull,
+    QueueTimeout,
+    SchedulerConfig,
+    SchedulerStatistics,
+    TenantPolicy,
+    TenantStatistics,
+)
 
-from blocks.errors import BlocksError
-
-if TYPE_CHECKING:
-    from blocks.http import Headers
-
-# -- configuration --------------------------------------------------------------------------
-
-
-def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, not {value!r}")
-
-
-@attrs.frozen(kw_only=True)
-class TenantPolicy:
-    """How one tenant (or every tenant without a policy of its own) is treated.
-
-    - ``weight``: its share of the slots relative to the other backlogged
-      tenants of its priority class.
-    - ``max_in_flight``: at most this many slots at once (``None``: only the
-      budget limits it).
-    - ``max_queued``: at most this many requests waiting; one more is a 429
-      (:class:`QueueFull`). ``0`` means never wait: no free slot is a 429.
-    - ``queue_timeout``: seconds a request may wait; past it, a 503
-      (:class:`QueueTimeout`).
-    - ``priority``: its class; lower is served first, strictly.
-    - ``retry_after``: seconds to put in ``retry-after`` on a rejection.
-    """
-
-    weight: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
-    max_in_flight: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
-    max_queued: int = attrs.field(default=100, validator=attrs.validators.ge(0))
-    queue_timeout: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
-    priority: int = 0
-    retry_after: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0), _finite])
-
-
-def _read_only(tenants: Mapping[str, TenantPolicy]) -> Mapping[str, TenantPolicy]:
-    return MappingProxyType(dict(tenants))
-
-
-@attrs.frozen(kw_only=True)
-class SchedulerConfig:
-    """The slots of one upstream and the policies of the tenants sharing them.
-
-    - ``budget``: total slots (streams open upstream at once).
-    - ``default_policy``: for every tenant not named in ``tenants``.
-    - ``tenants``: tenant key -> its own policy (copied, read-only).
-    - ``quantum``: credit per round-robin turn, in grants per unit of weight
-      (raised to ``1 / smallest weight`` if lower; see the module docstring).
-    - ``max_tenants``: tenant states remembered (with their counters); past
-      it, a new tenant replaces an idle one not used recently.
-    - ``wait_samples``: recent queue waits kept per tenant for percentiles.
-    """
-
-    budget: int = attrs.field(validator=attrs.validators.ge(1))
-    default_policy: TenantPolicy = attrs.field(
-        factory=TenantPolicy, validator=attrs.validators.instance_of(TenantPolicy)
-    )
-    tenants: Mapping[str, TenantPolicy] = attrs.field(
-        factory=dict,
-        converter=_read_only,
-        validator=attrs.validators.deep_mapping(
-            key_validator=attrs.validators.instance_of(str),
-            value_validator=attrs.validators.instance_of(TenantPolicy),
-        ),
-    )
-    quantum: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
-    max_tenants: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
-    wait_samples: int = attrs.field(default=256, validator=attrs.validators.ge(1))
-
-    def policy(self, tenant: str) -> TenantPolicy:
-        """The policy that applies to ``tenant``."""
-        return self.tenants.get(tenant, self.default_policy)
-
-
-# -- errors -----------------------------------------------------------------------------------
-
-
-def _retry_after_headers(retry_after: float) -> Headers:
-    return [(b"retry-after", b"%d" % math.ceil(retry_after))]
-
-
-class QueueFull(BlocksError):
-    """The tenant's wait queue is full: 429, with ``retry-after``.
-
-    ``retry_after`` is the tenant's ``TenantPolicy.retry_after`` in seconds;
-    ``headers`` is the ``retry-after`` field to send with the 429 (whole
-    seconds, rounded up).
-    """
-
-    status = 429
-
-    def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.tenant = tenant
-        self.retry_after = retry_after
-        self.headers = _retry_after_headers(retry_after)
-
-
-class QueueTimeout(BlocksError):
-    """The request waited its tenant's whole ``queue_timeout`` without a slot: 503.
-
-    Carries ``retry_after`` and ``headers`` like :class:`QueueFull`.
-    """
-
-    status = 503
-
-    def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.tenant = tenant
-        self.retry_after = retry_after
-        self.headers = _retry_after_headers(retry_after)
-
+__all__ = [  # the configuration, errors and snapshots are re-exported: they are the core's vocabulary
+    "FairQueue",
+    "Grant",
+    "QueueFull",
+    "QueueTimeout",
+    "SchedulerConfig",
+    "SchedulerStatistics",
+    "TenantPolicy",
+    "TenantStatistics",
+    "Ticket",
+    "TicketState",
+]
 
 # -- the sans-IO core -------------------------------------------------------------------------
 
@@ -312,43 +216,6 @@ class Ticket:
 
     def __repr__(self) -> str:
         return f"<Ticket {self._state.name!r} {self.state} deadline={self.deadline:g}>"
-
-
-@attrs.frozen
-class TenantStatistics:
-    """One tenant's counters.
-
-    ``granted`` counts every grant, immediate or after a wait;
-    ``rejected_full`` the 429s, ``rejected_deadline`` the 503s. The wait
-    percentiles (seconds, nearest rank) are over the most recent grants that
-    had to queue (``None`` if none did); an immediate grant waits no time and
-    is not sampled.
-    """
-
-    in_flight: int
-    queued: int
-    granted: int
-    rejected_full: int
-    rejected_deadline: int
-    queue_wait_p50: float | None
-    queue_wait_p99: float | None
-
-
-@attrs.frozen
-class SchedulerStatistics:
-    """A snapshot of a :class:`FairQueue` (or :class:`Scheduler`).
-
-    The totals include tenants whose idle state was forgotten; ``tenants``
-    holds the ones still remembered.
-    """
-
-    budget: int
-    in_flight: int
-    queued: int
-    granted: int
-    rejected_full: int
-    rejected_deadline: int
-    tenants: Mapping[str, TenantStatistics]
 
 
 def _percentile(ordered: list[float], fraction: float) -> float:

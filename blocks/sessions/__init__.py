@@ -45,10 +45,8 @@ from blocks.sessions._core import (
     SessionPlacer,
     SessionStatistics,
     SessionTicket,
-    SessionTracker,
-    TrackerStatistics,
-    WorkerSessionConfig,
 )
+from blocks.sessions._core_tracker import SessionTracker, TrackerStatistics, WorkerSessionConfig
 
 __all__ = [
     "ENDED_HEADER",

@@ -1,7 +1,8 @@
 """The part of an HTTP/2 connection that clients and servers share.
 
-Theory of operation. One :class:`H2Driver` owns one ``h2.H2Connection`` on
-one trio stream, and two tasks: the role's reader loop (bytes in, events
+Theory of operation. One :class:`H2Driver` owns one HTTP/2 codec (a
+:class:`~blocks.transport._codec.Codec`: hyper-h2's state machine, behind a
+seam that a second codec can fill) on one trio stream, and two tasks: the role's reader loop (bytes in, events
 out) and :meth:`H2Driver.writer`, which sends what the state machine queued.
 Stream tasks never touch the socket: they call into the state machine (which
 never blocks) and ``kick()`` the writer, so no stream ever waits on another
@@ -36,26 +37,16 @@ import collections
 import contextlib
 import logging
 import os
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.frame_buffer
-import h2.settings
-import h2.stream
-import hpack
-import hyperframe.frame
 import trio
 
 from blocks._sync import Signal
 from blocks.errors import StreamReset
 from blocks.http import Body, BytesBody, Headers, StreamBody
+from blocks.transport._codec import Codec, ErrorCodes, EventKind, ProtocolError
 
 if TYPE_CHECKING:
     from blocks.http import Request
@@ -69,207 +60,18 @@ BACKLOG_HIGH = 256 * 1024
 """Bytes waiting for a connection's writer past which DATA senders wait (back-pressure)."""
 
 
-class PlainEncoder(hpack.Encoder):
-    """An HPACK encoder that writes string literals without Huffman coding.
-
-    RFC 7541 5.2 lets each literal be sent either way. Huffman saves about a
-    fifth of the bytes of literal fields and costs, in pure Python, a third
-    of a hop's HPACK time on both sides; between hops on a fast network the
-    CPU is what counts. Indexed fields are unaffected.
-    """
-
-    def encode(self, headers: Any, huffman: bool = True) -> bytes:
-        return super().encode(headers, huffman=False)
-
-
-class CompressionError(h2.exceptions.ProtocolError):
-    """A header block HPACK cannot decode: a connection error COMPRESSION_ERROR (RFC 9113 4.3)."""
-
-    error_code = h2.errors.ErrorCodes.COMPRESSION_ERROR
-
-
-class CheckedDecoder(hpack.Decoder):
-    """hpack's decoder, whose failures h2 reports with the right error code.
-
-    h2 turns every decoding error into a plain PROTOCOL_ERROR; RFC 9113 4.3
-    asks for COMPRESSION_ERROR. An oversized list stays h2's business (it
-    answers ENHANCE_YOUR_CALM: an HPACK bomb).
-    """
-
-    def decode(self, data: bytes, raw: bool = False) -> Any:
-        try:
-            return super().decode(data, raw)
-        except hpack.OversizedHeaderListError:
-            raise
-        except (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError) as exc:
-            raise CompressionError(f"undecodable header block: {exc}") from exc
-
-
-class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's inbound frame buffer, with the limits a server facing strangers needs.
-
-    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block) and
-    counts nothing else. This buffer sees every frame before h2 acts on it and
-    allows:
-
-    - a header block (HEADERS plus its CONTINUATIONs) of at most
-      ``max_header_block`` encoded bytes;
-    - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
-      whose payload is empty and that end nothing;
-    - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
-    - no SETTINGS ACK with a payload (6.5: FRAME_SIZE_ERROR, where
-      hyperframe's parse error would make it PROTOCOL_ERROR);
-    - at most ``flood_limit`` control frames per ``flood_window`` seconds:
-      SETTINGS, PING, PRIORITY, frames of unknown types, and whatever the
-      driver reports through :meth:`control_frame` (window updates that
-      serve no stream).
-
-    Crossing one raises h2's ``DenialOfServiceError``, which h2 answers with
-    GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the connection.
-    """
-
-    def __init__(self, *, max_header_block: int, max_empty: int, flood_limit: int, flood_window: float) -> None:
-        super().__init__(server=True)
-        self.max_header_block = max_header_block
-        self.max_empty = max_empty
-        self.flood_limit = flood_limit
-        self.flood_window = flood_window
-        self._block = 0  # bytes of the header block being received
-        self._empty = 0  # consecutive empty frames
-        self._control = 0  # control frames since _since
-        self._since = time.monotonic()
-        self._first = True
-
-    def __next__(self) -> Any:
-        data = self._data
-        if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1] or data[2]):
-            raise h2.exceptions.FrameTooLargeError("SETTINGS ACK with a payload")
-        return super().__next__()
-
-    def _update_header_buffer(self, f: Any) -> Any:
-        kind = f.type
-        if self._first:
-            if kind != 0x4 or "ACK" in f.flags:
-                raise h2.exceptions.ProtocolError("the client's preface does not go on with SETTINGS")
-            self._first = False
-        if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
-            data = f.data
-            if kind:
-                self._block = len(data) if kind == 1 else self._block + len(data)
-                if self._block > self.max_header_block:
-                    raise h2.exceptions.DenialOfServiceError(f"header block over {self.max_header_block} bytes")
-            if data or "END_STREAM" in f.flags or "END_HEADERS" in f.flags:
-                self._empty = 0
-            else:
-                self._empty += 1
-                if self._empty > self.max_empty:
-                    raise h2.exceptions.DenialOfServiceError(f"more than {self.max_empty} empty frames in a row")
-        elif kind in _CONTROL_FRAMES or kind > 9:
-            self.control_frame()
-        return super()._update_header_buffer(f)
-
-    def control_frame(self) -> None:
-        """Count one control frame; raise once there are too many in the window."""
-        self._control += 1
-        if self._control > self.flood_limit:
-            now = time.monotonic()
-            if now - self._since < self.flood_window:
-                raise h2.exceptions.DenialOfServiceError(
-                    f"more than {self.flood_limit} control frames in {self.flood_window:g} s"
-                )
-            self._control = 1
-            self._since = now
-
-
-_CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
-
-
-class _LengthUncheckedStream(h2.stream.H2Stream):
-    """An h2 stream that leaves ``content-length`` to proxyblocks.
-
-    h2 checks a request's ``content-length`` against its DATA itself, and a
-    mismatch or a malformed value fails the whole connection; RFC 9113 8.1.1
-    makes it an error of that stream alone. A validating listener checks it
-    per stream instead (``H2ServerConnection``), on streams of this class.
-    """
-
-    def _initialize_content_length(self, headers: Any) -> None:
-        pass
-
-    def _track_content_length(self, length: int, end_stream: bool) -> None:
-        pass
-
-
-class _LengthUncheckedConnection(h2.connection.H2Connection):
-    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> h2.stream.H2Stream:
-        stream = super()._begin_new_stream(stream_id, allowed_ids)
-        stream.__class__ = _LengthUncheckedStream  # same layout; only the two checks differ
-        return stream
-
-
-def make_h2(
-    *,
-    client_side: bool,
-    max_concurrent_streams: int,
-    stream_window: int,
-    max_header_list_size: int,
-    huffman: bool = False,
-    guard: GuardedFrameBuffer | None = None,
-    check_lengths: bool = True,
-    connect_protocol: bool = False,
-) -> h2.connection.H2Connection:
-    """An ``H2Connection`` for one side of one hop, with h2's header checks off.
-
-    h2's own header validation costs more than the rest of a hop's work and
-    turns a malformed request into a connection error. Proxyblocks validates
-    request heads once, at the edge, in :mod:`blocks.transport._validate` (a stream
-    error, 400); every other hop only hears from a hop that did.
-    ``connect_protocol`` (servers) advertises ``SETTINGS_ENABLE_CONNECT_PROTOCOL``
-    (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.
-    """
-    config = h2.config.H2Configuration(
-        client_side=client_side,
-        header_encoding=None,
-        validate_inbound_headers=False,
-        normalize_inbound_headers=False,
-        validate_outbound_headers=False,
-        normalize_outbound_headers=False,
-    )
-    conn = (h2.connection.H2Connection if check_lengths else _LengthUncheckedConnection)(config)
-    conn.decoder = CheckedDecoder()
-    if guard is not None:
-        conn.incoming_buffer = guard
-    # h2 applies our SETTINGS to its decoder only once the peer acknowledges
-    # them; a head that arrives before that must meet the same limit.
-    conn.decoder.max_header_list_size = max_header_list_size
-    if not huffman:
-        conn.encoder = PlainEncoder()
-    codes = h2.settings.SettingCodes
-    conn.local_settings = h2.settings.Settings(
-        client=client_side,
-        initial_values={
-            codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
-            codes.INITIAL_WINDOW_SIZE: stream_window,
-            codes.MAX_HEADER_LIST_SIZE: max_header_list_size,
-            codes.ENABLE_PUSH: 0,
-            **({codes.ENABLE_CONNECT_PROTOCOL: 1} if connect_protocol else {}),
-        },
-    )
-    return conn
-
-
-def acknowledge(conn: h2.connection.H2Connection, size: int, sid: int) -> None:
+def acknowledge(conn: Codec, size: int, sid: int) -> None:
     """Give ``size`` received DATA bytes of stream ``sid`` back to the peer.
 
     The one way proxyblocks acknowledges what it received: the connection's
-    window always, the stream's too while the stream is open (h2 skips it
-    for a closed stream). The caller sees to it that the bytes go out
+    window always, the stream's too while the stream is open (the codec skips
+    it for a closed stream). The caller sees to it that the bytes go out
     (``kick``, ``mark`` or :meth:`H2Driver.send_soon`).
     """
     try:
         conn.acknowledge_received_data(size, sid)
-    except h2.exceptions.ProtocolError:
-        pass  # only for a stream id h2 never saw, which received DATA cannot name
+    except ProtocolError:
+        pass  # only for a stream id the codec never saw, which received DATA cannot name
 
 
 @attrs.frozen
@@ -358,15 +160,15 @@ False (nothing done) to let the handler task take the request."""
 
 
 class H2Driver:
-    """An ``H2Connection`` on a trio stream, with a coalescing writer."""
+    """A codec (:class:`~blocks.transport._codec.Codec`) on a trio stream, with a coalescing writer."""
 
     peer = "peer"  # who is on the other end, for messages
-    handlers: dict[type[h2.events.Event], Callable[[Any], None]]  # set by each role
+    handlers: dict[type, Callable[[Any], None]]  # the codec's event class -> its handler (see bind)
 
     def __init__(
         self,
         stream: trio.abc.Stream,
-        conn: h2.connection.H2Connection,
+        conn: Codec,
         *,
         connection_window: int,
         max_backlog: int | None = None,
@@ -376,7 +178,7 @@ class H2Driver:
         self.streams: dict[int, H2Stream] = {}
         self.closed = False
         self._wake = Signal()
-        self._out: list[bytes] = []  # bytes taken from h2, waiting for the writer
+        self._out: list[bytes] = []  # bytes taken from the codec, waiting for the writer
         self._sending = False  # the writer is inside send_all
         self.backlog = 0  # bytes in _out or inside send_all
         self.pushed = 0  # DATA bytes splices gave h2 since the last flush (not in backlog yet)
@@ -410,7 +212,15 @@ class H2Driver:
             log.info("%s does not read: %d bytes waiting; closing", self.peer, self.backlog)
             self.mark_closed()
 
-    def dispatch(self, events: list[h2.events.Event]) -> None:
+    def bind(self, handlers: Mapping[EventKind, Callable[[Any], None]]) -> dict[type, Callable[[Any], None]]:
+        """The role's handlers by kind, keyed by the codec's event classes: what ``handlers`` holds.
+
+        Once per connection, so that :meth:`dispatch` finds an event's handler
+        with one dict lookup on its class. Kinds without a handler are ignored.
+        """
+        return {cls: handlers[kind] for cls, kind in self.h2.event_kinds.items() if kind in handlers}
+
+    def dispatch(self, events: list[Any]) -> None:
         """Run each event's handler (``self.handlers``), then flush what the batch touched.
 
         A handler that raises costs its event's stream only (see
@@ -434,7 +244,7 @@ class H2Driver:
             self.mark()
             flush_marked()
 
-    def event_failed(self, ev: h2.events.Event) -> None:
+    def event_failed(self, ev: Any) -> None:
         """A handler raised (a bug, ours or in code a hop runs for a user): that stream alone is reset.
 
         Logged once with the traceback. A stream's event resets that stream
@@ -446,13 +256,13 @@ class H2Driver:
         log.exception("%s failed on %s", type(self).__name__, type(ev).__name__)
         st = self.streams.get(sid) if sid else None
         if st is not None:
-            self.reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            self.reset(st, ErrorCodes.INTERNAL_ERROR)
         elif sid:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.h2.reset_stream(sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            with contextlib.suppress(ProtocolError):
+                self.h2.reset_stream(sid, ErrorCodes.INTERNAL_ERROR)
         else:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.h2.close_connection(h2.errors.ErrorCodes.INTERNAL_ERROR)
+            with contextlib.suppress(ProtocolError):
+                self.h2.close_connection(ErrorCodes.INTERNAL_ERROR)
             self.mark_closed()
 
     def mark(self) -> None:
@@ -492,13 +302,8 @@ class H2Driver:
             flush_marked()
 
     def statistics(self) -> H2ConnectionStatistics:
-        # h2 keeps the books; its window manager has no public reading of them.
-        window = self.h2._inbound_flow_control_window_manager
-        return H2ConnectionStatistics(
-            streams=len(self.streams),
-            inbound_window=window.current_window_size,
-            unacknowledged=window.max_window_size - window.current_window_size - window._bytes_processed,
-        )
+        window, unacknowledged = self.h2.inbound_books()
+        return H2ConnectionStatistics(streams=len(self.streams), inbound_window=window, unacknowledged=unacknowledged)
 
     def start(self) -> None:
         """Queue the preface and our SETTINGS, and open the connection window."""
@@ -541,30 +346,24 @@ class H2Driver:
     def send_graceful_goaway(self, last_stream_id: int) -> None:
         """Send GOAWAY(NO_ERROR, ``last_stream_id``) and keep the connection open.
 
-        h2 moves its state machine to CLOSED on any GOAWAY it sends, which
-        would forbid finishing the streams in flight (python-hyper/h2#1181),
-        so the frame is written beside it instead. The final GOAWAY, once the
-        streams are done, goes through h2 as usual.
+        The codec's state machine would close on a GOAWAY it sends, which
+        would forbid finishing the streams in flight, so the frame is written
+        beside it instead (``Codec.goaway_frame``). The final GOAWAY, once the
+        streams are done, goes through the codec as usual.
         """
-        frame = hyperframe.frame.GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
         self.kick()
-        self._queue(frame.serialize())
+        self._queue(self.h2.goaway_frame(last_stream_id))
 
-    def survive_goaway(self, ev: h2.events.ConnectionTerminated) -> bool:
+    def survive_goaway(self, ev: Any) -> bool:
         """After a peer's graceful GOAWAY, let the streams below its last id finish.
 
         Returns True when the connection stays usable for those streams. The
         caller must not open new streams on it. (See :meth:`send_graceful_goaway`
-        for why h2's state is put back.)
+        for why the codec's state is put back.)
         """
         if ev.error_code != 0 or not self.streams:
             return False
-        machine = self.h2.state_machine
-        machine.state = (
-            h2.connection.ConnectionState.CLIENT_OPEN
-            if self.h2.config.client_side
-            else h2.connection.ConnectionState.SERVER_OPEN
-        )
+        self.h2.reopen_after_goaway()
         return True
 
     def mark_closed(self) -> None:
@@ -602,12 +401,12 @@ class H2Driver:
             self.streams.pop(st.id, None)
             self.stream_closed(st)
 
-    def reset(self, st: H2Stream, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
-        """Reset the stream on the wire (if h2 still thinks it is open) and drop it."""
+    def reset(self, st: H2Stream, code: int = ErrorCodes.CANCEL) -> None:
+        """Reset the stream on the wire (if the codec still thinks it is open) and drop it."""
         if not self.closed:
             try:
                 self.h2.reset_stream(st.id, code)
-            except h2.exceptions.ProtocolError:
+            except ProtocolError:
                 pass
             self.kick()
         self.fail_stream(st, st.error or StreamReset("stream reset locally"))
@@ -623,16 +422,14 @@ class H2Driver:
                 self.kick()
 
         def abandon() -> None:
-            if not st.closed and conn.streams.get(sid) is not None:
-                stream = conn.streams[sid]
-                if not stream.closed:
-                    self.reset(st)
+            if not st.closed and conn.stream_is_open(sid):
+                self.reset(st)
 
         body = StreamBody(length, on_consumed=consumed, on_abandon=abandon)
         st.body = body
         return body
 
-    def on_data(self, ev: h2.events.DataReceived) -> None:
+    def on_data(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         data = ev.data or b""
         size = ev.flow_controlled_length or 0
@@ -655,7 +452,7 @@ class H2Driver:
         """Hook (server side): count ``length`` more body bytes; True if the frame must not be delivered."""
         return False
 
-    def on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+    def on_trailers(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None:
             if st.splice is not None:
@@ -663,16 +460,16 @@ class H2Driver:
             elif st.body is not None:
                 st.body.end(list(ev.headers))
 
-    def on_reset(self, ev: h2.events.StreamReset) -> None:
+    def on_reset(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None:
             error = StreamReset(f"{self.peer} reset the stream ({ev.error_code!r})", code=ev.error_code)
             self.fail_stream(st, error)
 
-    def on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+    def on_settings(self, ev: Any) -> None:
         self.wake_all_windows()
 
-    def on_window_updated(self, ev: h2.events.WindowUpdated) -> None:
+    def on_window_updated(self, ev: Any) -> None:
         if ev.stream_id:
             st = self.streams.get(ev.stream_id)
             if st is not None:
@@ -700,7 +497,7 @@ class H2Driver:
                 raise StreamReset("stream closed by peer")
             try:
                 window = conn.local_flow_control_window(sid)
-            except h2.exceptions.ProtocolError as exc:
+            except ProtocolError as exc:
                 raise StreamReset("stream closed by peer") from exc
             if self.backlog >= BACKLOG_HIGH:
                 window = 0  # the peer is not reading fast enough; wait for the writer

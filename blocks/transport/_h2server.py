@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import h2.errors
-import h2.events
-import h2.exceptions
 import trio
 
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import Handler, Request, Response, abandon, empty_body, error_response, respond
 from blocks.timing import Timing
-from blocks.transport._h2 import GuardedFrameBuffer, H2Driver, H2Stream, Relay, acknowledge, flush_marked, make_h2
+from blocks.transport._codec import ErrorCodes, EventKind, GuardedFrameBuffer, ProtocolError, make_h2
+from blocks.transport._h2 import H2Driver, H2Stream, Relay, acknowledge, flush_marked
 from blocks.transport._validate import validate_request_head, validate_trailers
 
 if TYPE_CHECKING:
@@ -35,12 +33,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("blocks.listener")
 
 _STATUS = {code: b"%d" % code for code in range(100, 600)}
-_CANCEL = h2.errors.ErrorCodes.CANCEL
-_NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
-_REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
-_INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
-_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-_PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
+_CANCEL = ErrorCodes.CANCEL
+_NO_ERROR = ErrorCodes.NO_ERROR
+_REFUSED = ErrorCodes.REFUSED_STREAM
+_INTERNAL = ErrorCodes.INTERNAL_ERROR
+_CALM = ErrorCodes.ENHANCE_YOUR_CALM
+_PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
 _UNLIMITED = 2**62  # a limit set to None
 
 
@@ -88,23 +86,24 @@ class H2ServerConnection(H2Driver):
         self._final_goaway_sent = False
         self.body_limit = config.max_request_body
         self.count_body = config.validate or self.body_limit is not None
-        self._guard = guard
         self._opened = 0  # streams the client opened
         self._last_opened = 0  # the highest of their ids
         self._resets = 0  # of those, reset by the client before we finished them
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
         self._reader_done = trio.Event()
-        self.handlers = {
-            h2.events.RequestReceived: self._on_request,
-            h2.events.DataReceived: self.on_data,
-            h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.TrailersReceived: self._on_trailers if config.validate else self.on_trailers,
-            h2.events.StreamReset: self._on_reset,
-            h2.events.WindowUpdated: self._on_window_updated,
-            h2.events.RemoteSettingsChanged: self.on_settings,
-            h2.events.ConnectionTerminated: self._on_terminated,
-        }
+        self.handlers = self.bind(
+            {
+                EventKind.REQUEST: self._on_request,
+                EventKind.DATA: self.on_data,
+                EventKind.STREAM_ENDED: self._on_stream_ended,
+                EventKind.TRAILERS: self._on_trailers if config.validate else self.on_trailers,
+                EventKind.RESET: self._on_reset,
+                EventKind.WINDOW_UPDATED: self._on_window_updated,
+                EventKind.SETTINGS_CHANGED: self.on_settings,
+                EventKind.TERMINATED: self._on_terminated,
+            }
+        )
 
     async def run(self, initial: bytes) -> None:
         self.start()
@@ -159,8 +158,8 @@ class H2ServerConnection(H2Driver):
     def _receive(self, data: bytes | bytearray) -> None:
         try:
             events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            # h2 queued a GOAWAY with the right error code; flush it and go.
+        except ProtocolError as exc:
+            # The codec queued a GOAWAY with the right error code; flush it and go.
             log.debug("h2 protocol error from %s: %s", self.client, exc)
             self.mark_closed()
             return
@@ -168,7 +167,7 @@ class H2ServerConnection(H2Driver):
 
     # -- events ----------------------------------------------------------------
 
-    def _on_request(self, ev: h2.events.RequestReceived) -> None:
+    def _on_request(self, ev: Any) -> None:
         sid: int = ev.stream_id
         if self._last_stream_id is not None and sid > self._last_stream_id:
             self.h2.reset_stream(sid, _REFUSED)
@@ -266,7 +265,7 @@ class H2ServerConnection(H2Driver):
         elif st.body is not None and st.body.error is None:
             st.body.fail(error)
 
-    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+    def _on_trailers(self, ev: Any) -> None:
         try:
             validate_trailers(ev.headers)
         except BlocksError as exc:
@@ -282,7 +281,7 @@ class H2ServerConnection(H2Driver):
             return
         self.on_trailers(ev)
 
-    def _on_reset(self, ev: h2.events.StreamReset) -> None:
+    def _on_reset(self, ev: Any) -> None:
         if ev.stream_id in self.streams:
             # Rapid reset (CVE-2023-44487): a client that cancels most of what
             # it opens makes us do work for nothing. Cancelling some is normal.
@@ -293,13 +292,13 @@ class H2ServerConnection(H2Driver):
                 return
         self.on_reset(ev)
 
-    def _on_window_updated(self, ev: h2.events.WindowUpdated) -> None:
+    def _on_window_updated(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id) if ev.stream_id else None
         if st is None and (ev.stream_id or not self.streams):
             # A window update that serves no stream we are sending on.
             try:
-                self._guard.control_frame()
-            except h2.exceptions.DenialOfServiceError as exc:
+                self.h2.control_frame()
+            except ProtocolError as exc:
                 self.calm(str(exc))
                 return
         self.on_window_updated(ev)
@@ -308,14 +307,14 @@ class H2ServerConnection(H2Driver):
         """Close the connection with GOAWAY(ENHANCE_YOUR_CALM): the client is abusive."""
         log.info("closing the connection of %s: %s", self.client, why)
         try:
-            # h2 would name the last stream it parsed; we name the last one we served.
+            # The codec would name the last stream it parsed; we name the last one we served.
             self.h2.close_connection(error_code=_CALM, last_stream_id=self._last_opened)
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             pass
         self.mark()
         self.mark_closed()
 
-    def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
+    def _on_stream_ended(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None:
             st.remote_ended = True
@@ -324,7 +323,7 @@ class H2ServerConnection(H2Driver):
             elif st.body is not None:
                 st.body.end()
 
-    def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
+    def _on_terminated(self, ev: Any) -> None:
         # The client will open no more streams; finish the ones it has.
         if not self.survive_goaway(ev):
             self.mark_closed()
@@ -340,7 +339,7 @@ class H2ServerConnection(H2Driver):
     def stream_closed(self, st: H2Stream) -> None:
         if self._last_stream_id is not None and not self.streams and not self.closed:
             if not self._final_goaway_sent:  # (the client's GOAWAY ended it: ours goes now)
-                with contextlib.suppress(h2.exceptions.ProtocolError):
+                with contextlib.suppress(ProtocolError):
                     self.h2.close_connection(last_stream_id=self._last_stream_id)
             self.mark_closed()
 
@@ -372,7 +371,7 @@ class H2ServerConnection(H2Driver):
             if not self.streams:
                 if now - idle_since >= config.h2_idle_timeout and not self.closed:
                     log.debug("closing the idle connection of %s", self.client)
-                    with contextlib.suppress(h2.exceptions.ProtocolError):
+                    with contextlib.suppress(ProtocolError):
                         self.h2.close_connection(last_stream_id=self._last_opened)
                     self.mark_closed()
                 continue
@@ -483,7 +482,7 @@ class H2ServerConnection(H2Driver):
                 self.kick()
                 return
             self.h2.send_headers(st.id, headers)
-        except h2.exceptions.ProtocolError as exc:
+        except ProtocolError as exc:
             raise StreamReset("stream closed before the response") from exc
         self.kick()  # the head goes now, whenever the body's first bytes come
         await self.send_body(st, body)

@@ -41,12 +41,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-import h2.errors
-import h2.exceptions
 import trio
 
 from blocks.errors import BlocksError
 from blocks.http import BytesBody, Headers, error_response
+from blocks.transport._codec import ErrorCodes, ProtocolError
 from blocks.transport._h2 import BACKLOG_HIGH, acknowledge
 
 if TYPE_CHECKING:
@@ -54,8 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blocks.h2")
 
-_CANCEL = h2.errors.ErrorCodes.CANCEL
-_NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
+_CANCEL = ErrorCodes.CANCEL
+_NO_ERROR = ErrorCodes.NO_ERROR
 _STATUS = {code: b"%d" % code for code in range(100, 600)}
 
 HeadFilter = Callable[[int, Headers], Headers]
@@ -172,7 +171,7 @@ class _Pipe:
                 acknowledge(src, room, src_sid)
                 data = data[room:]
                 progressed = True
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             self.pending.appendleft(data)
             raise
         return True
@@ -278,7 +277,7 @@ class Splice:
             return
         try:
             pipe.feed(data, size, end)
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             self._abort()
             return
         self._kick()
@@ -291,7 +290,7 @@ class Splice:
             return
         try:
             pipe.end(trailers)
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             self._abort()
             return
         self._kick()
@@ -304,7 +303,7 @@ class Splice:
             return
         try:
             pipe.flush()
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             # h2 read the whole batch before we see its events: it has closed
             # ``st`` for a RST_STREAM whose event comes later in this batch, and
             # that event decides (an early answer is no failure). What did not
@@ -323,7 +322,7 @@ class Splice:
         head += headers
         try:
             self.down.h2.send_headers(self.down_st.id, head, end_stream=ended)
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             self._abort()
             return
         self.head_sent = True
@@ -399,7 +398,7 @@ class Splice:
         try:
             down.h2.send_headers(st.id, head)
             down.h2.send_data(st.id, response.body.data, end_stream=True)
-        except h2.exceptions.ProtocolError:
+        except ProtocolError:
             down.reset(st, _CANCEL)
             return
         # This may run outside any reader's batch (the timeout sweeper): flush now.

@@ -6,49 +6,26 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
 import trio
 
 from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
-from blocks.http import Body, Headers, Request, Response, abandon, empty_body
+from blocks.http import Headers, Request, Response, abandon, empty_body
 from blocks.transport import Address
-from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked, in_batch, make_h2
+from blocks.transport._codec import ErrorCodes, EventKind, ProtocolError, make_h2
+from blocks.transport._h2 import H2Driver, H2Stream, flush_marked, in_batch
 from blocks.transport._splice import HeadFilter, Sink, Splice
 from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.transport.multiplexer._h2retry import _Refused, _Replay, _Upload
 
 log = logging.getLogger("blocks.multiplexer")
 
-_CANCEL = h2.errors.ErrorCodes.CANCEL
-_REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
-
-
-class _Refused(UpstreamProtocolError):
-    """The upstream never processed the stream (RFC 9113 8.7): refused with
-    ``REFUSED_STREAM``, or above the last stream id of its GOAWAY. Safe to
-    send again, if none of the request body went with it."""
-
-    status = 503
+_CANCEL = ErrorCodes.CANCEL
+_REFUSED = ErrorCodes.REFUSED_STREAM
 
 
 def _unanswered(st: H2Stream) -> bool:
     return st.head is None and (st.splice is None or not st.splice.head_sent)
-
-
-# h2's connection state machine, except that a GOAWAY received leaves it open.
-# h2 moves to CLOSED on any GOAWAY it receives and then rejects every other
-# frame, including those that came in the same read right behind it (the
-# responses of the very streams the GOAWAY lets finish, a PING), before the
-# reader could put the state back with ``survive_goaway``: the connection
-# would die with them. ``accepting`` is what stops new streams.
-_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
-_OUTLIVE_GOAWAY = {
-    **h2.connection.H2ConnectionStateMachine._transitions,
-    (_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _OPEN),
-}
 
 
 class H2ClientConnection(H2Driver):
@@ -63,23 +40,28 @@ class H2ClientConnection(H2Driver):
             max_concurrent_streams=100,
             stream_window=config.stream_window,
             max_header_list_size=config.max_header_list_size,
+            # A GOAWAY received leaves the codec open for the frames behind it
+            # (the responses of the streams it lets finish): ``accepting`` is
+            # what stops new streams.
+            outlive_goaway=True,
         )
-        conn.state_machine._transitions = _OUTLIVE_GOAWAY
         super().__init__(stream, conn, connection_window=config.connection_window)
         self.pool = pool
         self._cap = config.max_streams_per_connection
         self.accepting = True  # false after a GOAWAY or a failure: no new streams
         self._ready = trio.Event()
-        self.handlers = {
-            h2.events.ResponseReceived: self._on_response,
-            h2.events.DataReceived: self.on_data,
-            h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.TrailersReceived: self.on_trailers,
-            h2.events.StreamReset: self.on_reset,
-            h2.events.WindowUpdated: self.on_window_updated,
-            h2.events.RemoteSettingsChanged: self.on_settings,
-            h2.events.ConnectionTerminated: self._on_terminated,
-        }
+        self.handlers = self.bind(
+            {
+                EventKind.RESPONSE: self._on_response,
+                EventKind.DATA: self.on_data,
+                EventKind.STREAM_ENDED: self._on_stream_ended,
+                EventKind.TRAILERS: self.on_trailers,
+                EventKind.RESET: self.on_reset,
+                EventKind.WINDOW_UPDATED: self.on_window_updated,
+                EventKind.SETTINGS_CHANGED: self.on_settings,
+                EventKind.TERMINATED: self._on_terminated,
+            }
+        )
 
     def __repr__(self) -> str:
         host, port = self.pool.address
@@ -125,7 +107,7 @@ class H2ClientConnection(H2Driver):
                     break
                 try:
                     events = self.h2.receive_data(data)
-                except h2.exceptions.ProtocolError as exc:
+                except ProtocolError as exc:
                     log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
                     break
                 self.dispatch(events)
@@ -216,7 +198,7 @@ class H2ClientConnection(H2Driver):
         if not self.accepting and not self.streams and not self.closed:
             try:
                 self.h2.close_connection()
-            except h2.exceptions.ProtocolError:
+            except ProtocolError:
                 pass
             self.mark_closed()
 
@@ -235,7 +217,7 @@ class H2ClientConnection(H2Driver):
 
     # -- events --------------------------------------------------------------------
 
-    def _on_response(self, ev: h2.events.ResponseReceived) -> None:
+    def _on_response(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None:
             return
@@ -259,7 +241,7 @@ class H2ClientConnection(H2Driver):
         if st.signal is not None:
             st.signal.set()
 
-    def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
+    def _on_stream_ended(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None:
             return
@@ -272,19 +254,19 @@ class H2ClientConnection(H2Driver):
         if st.local_ended:
             self.finish_stream(st)
 
-    def on_reset(self, ev: h2.events.StreamReset) -> None:
+    def on_reset(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is not None and ev.error_code == _REFUSED and _unanswered(st):
             self._refuse(st, "REFUSED_STREAM")
         else:
             super().on_reset(ev)
 
-    def on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+    def on_settings(self, ev: Any) -> None:
         self._ready.set()
         super().on_settings(ev)
         self.pool.slot_freed()
 
-    def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
+    def _on_terminated(self, ev: Any) -> None:
         # No new stream from now on. Streams above the last id were never
         # processed, whatever the error code (RFC 9113 6.8); the others finish
         # if the GOAWAY is graceful, and fail with the connection if not.
@@ -298,179 +280,6 @@ class H2ClientConnection(H2Driver):
         if not self.survive_goaway(ev):
             self.mark_closed()
         self.pool.slot_freed()
-
-
-class _Upload:
-    """A request body on its way upstream. It outlives a refused first stream.
-
-    ``sent`` turns true with the first body byte handed to a stream: from
-    then on the request can never be retried. While a refused stream may
-    still be retried, the pump waits (holding the chunk it read, if any)
-    until the requester moves it to the new stream or gives up.
-    """
-
-    __slots__ = ("_moved", "body", "broken", "conn", "finished", "scope", "sent", "st")
-
-    def __init__(self, body: Body, conn: H2ClientConnection, st: H2Stream) -> None:
-        body.claim()  # the pump, in the pool's nursery, reads it to the end or discards what it leaves
-        self.body = body
-        self.conn = conn
-        self.st = st
-        self.sent = False
-        self.finished = False  # the end of the body (or its trailers) was sent
-        self.broken = False  # the pump gave up: the body cannot be sent again
-        self.scope = st.cancel_scope = trio.CancelScope()
-        self._moved = Signal()
-
-    @property
-    def replayable(self) -> bool:
-        """Nothing of the body went upstream, and it can still be sent in full."""
-        return not self.sent and not self.broken
-
-    def move(self, conn: H2ClientConnection, st: H2Stream) -> None:
-        """Carry on on ``st``: the retry of a refused stream."""
-        self.conn = conn
-        self.st = st
-        st.cancel_scope = self.scope
-        self._moved.set()
-
-    def abandon(self) -> None:
-        self.scope.cancel()
-
-    async def target(self) -> tuple[H2ClientConnection, H2Stream]:
-        """The stream to send on, once there is one; StreamReset if there never will be."""
-        while True:
-            st = self.st
-            if not st.closed:
-                return self.conn, st
-            if self.sent or type(st.error) is not _Refused:
-                raise StreamReset("the upstream stream closed while its request body was being sent")
-            await self._moved.wait()
-
-
-class _Replay:
-    """A spliced request that may still be retried, as its downstream stream sees it.
-
-    It stands in for the :class:`Splice` on the downstream stream (the drivers
-    call ``data``, ``ended``, ``window``, ``failed`` and ``refuse`` on
-    whatever is there; anything else hands the stream back to the splice
-    first) while no request body byte has gone upstream and no response head
-    has come back. Until then it passes every event on; the first body byte or
-    trailers, or a window update after the head, put the splice back, so
-    the steady state costs nothing.
-
-    When the upstream refuses the stream it is *parked*: the downstream's
-    events are kept, unacknowledged (the client's stream window bounds them),
-    until :meth:`resume` splices a new upstream stream and replays them, or
-    :meth:`give_up` answers the error.
-    """
-
-    __slots__ = ("events", "headers", "origin", "request_ended", "splice")
-
-    def __init__(self, splice: Splice, origin: Request, headers: Headers, ended: bool) -> None:
-        self.splice = splice
-        self.origin = origin
-        self.headers = headers
-        self.request_ended = ended  # the request ended without a body byte
-        self.events: list[tuple[bytes | None, int, bool, Headers | None]] | None = None
-        # Duck-typed: the drivers only call the four methods below.
-        splice.down_st.splice = self  # type: ignore[assignment]
-
-    def _detach(self) -> None:
-        self.splice.down_st.splice = self.splice
-
-    def data(self, driver: H2Driver, st: H2Stream, data: bytes, size: int, end: bool) -> None:
-        if self.events is not None:
-            self.events.append((data, size, end, None))
-            return
-        if data:
-            self._detach()  # the body has started: no retry from now on
-        elif end:
-            self.request_ended = True
-        self.splice.data(driver, st, data, size, end)
-
-    def ended(self, st: H2Stream, trailers: Headers | None = None) -> None:
-        if self.events is not None:
-            self.events.append((None, 0, True, trailers))
-            return
-        if trailers:
-            self._detach()
-        else:
-            self.request_ended = True
-        self.splice.ended(st, trailers)
-
-    def window(self, st: H2Stream) -> None:
-        if self.events is None:
-            if self.splice.head_sent:
-                self._detach()
-            self.splice.window(st)
-
-    def failed(self, driver: H2Driver, error: BaseException) -> None:
-        self._release()
-        self.splice.failed(driver, error)
-
-    def refuse(self, status: int) -> None:
-        self._release()
-        self._detach()
-        self.splice.refuse(status)
-
-    def __getattr__(self, name: str) -> Any:
-        # A splice method this stand-in does not know (the drivers grow): the
-        # safe default is to give the retry up and let the splice answer.
-        if name.startswith("_") or name in _Replay.__slots__:
-            raise AttributeError(name)
-        self._release()
-        self._detach()
-        return getattr(self.splice, name)
-
-    def park(self) -> None:
-        self.events = []
-
-    def _release(self) -> None:
-        """Acknowledge whatever was kept while parked: it will never be relayed."""
-        events, self.events = self.events, None
-        if events:
-            down = self.splice.down
-            sid = self.splice.down_st.id
-            for _, size, _, _ in events:
-                if size:
-                    acknowledge(down.h2, size, sid)
-            down.kick()
-
-    def resume(self, conn: H2ClientConnection) -> H2Stream:
-        """Splice the downstream stream to a new stream on ``conn`` and replay what was kept."""
-        old = self.splice
-        down, down_st = old.down, old.down_st
-        st = conn._send_head(self.origin, self.headers, self.request_ended)
-        events, self.events = self.events or [], None
-        new = Splice(
-            down,
-            down_st,
-            conn,
-            st,
-            request_ended=self.request_ended,
-            head_filter=old.head_filter,
-            on_close=old.on_close,
-        )
-        old.on_close = None
-        old.closed = True
-        # Whoever watches the exchange (blocks.transport._tap) goes on watching it on the new stream.
-        new.request.tap, new.response.tap = old.request.tap, old.response.tap
-        for data, size, end, trailers in events:
-            if data is None:
-                new.ended(down_st, trailers)
-            else:
-                new.data(down, down_st, data, size, end)
-        conn.mark()
-        down.mark()
-        flush_marked()  # not in a reader's batch: write both connections now
-        return st
-
-    def give_up(self, error: BaseException) -> None:
-        """Answer the downstream stream with ``error``'s status (as a splice does)."""
-        self._release()
-        self._detach()
-        self.splice.failed(self.splice.up, error)
 
 
 class _Attempt:
@@ -588,7 +397,7 @@ class _H2Pool:
             st = conn.open_spliced(
                 request, headers, down, down_st, request_ended=request_ended, head_filter=head_filter, on_close=on_close
             )
-        except (h2.exceptions.ProtocolError, UpstreamProtocolError):
+        except (ProtocolError, UpstreamProtocolError):
             return False  # the handler path tries again, and answers the error if it stands
         self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
         return True
@@ -600,7 +409,7 @@ class _H2Pool:
             return False
         try:
             st = conn._send_head(request, headers, True)
-        except (h2.exceptions.ProtocolError, UpstreamProtocolError):
+        except (ProtocolError, UpstreamProtocolError):
             return False
         st.local_ended = True
         st.splice = sink  # type: ignore[assignment]  # duck-typed: the drivers call what a splice has
@@ -626,7 +435,7 @@ class _H2Pool:
             if conn is None:
                 raise UpstreamTimeout(f"no stream slot at {self.address} within {timeout}s")
             st = replay.resume(conn)
-        except (UpstreamConnectError, UpstreamTimeout, UpstreamProtocolError, h2.exceptions.ProtocolError) as exc:
+        except (UpstreamConnectError, UpstreamTimeout, UpstreamProtocolError, ProtocolError) as exc:
             if not replay.splice.closed:
                 replay.give_up(exc)
             return
@@ -691,7 +500,7 @@ class _H2Pool:
             if upload.broken:  # the body broke since the refusal: nothing will complete it
                 conn.reset(st, _CANCEL)
             return st, upload
-        except h2.exceptions.ProtocolError as exc:
+        except ProtocolError as exc:
             raise UpstreamProtocolError(f"cannot open a stream to {self.address}: {exc}") from exc
 
     async def _pump(self, upload: _Upload) -> None:
@@ -720,7 +529,7 @@ class _H2Pool:
                         await conn.send_data(st, chunk, end_stream=last)
                         if last:
                             break
-                except (StreamReset, h2.exceptions.ProtocolError):
+                except (StreamReset, ProtocolError):
                     # The client's upload broke, or the upstream stream went away.
                     upload.broken = True
                     upload.conn.reset(upload.st, _CANCEL)

@@ -1,0 +1,179 @@
+"""The sans-IO core of sticky sessions, the worker's side: what a worker tracks.
+
+The worker knows every session it hosts: opened by the proxy's start,
+touched by each request carrying the session's id, ended by an explicit
+terminate or after ``idle_timeout`` with no request in flight (a WebSocket
+in flight keeps its session alive however quiet it is). Memory is bounded
+by the replicas' capacities and ``max_sessions``. Sessions sit in an ordered
+dict by last activity, so expiry looks at the oldest only: O(1) per session
+touched or ended.
+
+Invariants: a replica's ``active`` count is the number of its sessions in
+the dict, never above its capacity (when it has one), and the sessions in
+all stay within ``max_sessions``; ``revision`` grows with every change of
+the sessions hosted. Sans-IO like :mod:`blocks.sessions._core` (the proxy's
+side): no trio, ``now`` passed in.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+
+import attrs
+
+from blocks.sessions._core import _finite
+
+
+@attrs.frozen(kw_only=True)
+class WorkerSessionConfig:
+    """How a worker keeps sessions.
+
+    - ``idle_timeout``: a session with no request in flight for this long
+      ends (its token then gets a 410).
+    - ``max_sessions``: sessions the worker keeps in all (a bound on memory,
+      whatever the replicas' own limits).
+    """
+
+    idle_timeout: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), _finite])
+    max_sessions: int = attrs.field(default=100_000, validator=attrs.validators.ge(1))
+
+
+class _Session:
+    __slots__ = ("in_flight", "last_active", "replica")
+
+    def __init__(self, replica: str, now: float) -> None:
+        self.replica = replica
+        self.in_flight = 0
+        self.last_active = now
+
+
+@attrs.frozen
+class TrackerStatistics:
+    """``active``: sessions per replica now; ``capacity``: per replica (0: no
+    limit); ``opened``; ``ended``: by reason (``idle``, ``terminated``);
+    ``refused``: starts refused because the replica (or worker) was full;
+    ``unknown``: requests naming a session the worker does not host (410s)."""
+
+    active: dict[str, int]
+    capacity: dict[str, int]
+    opened: int
+    ended: dict[str, int]
+    refused: int
+    unknown: int
+
+
+class SessionTracker:
+    """A worker's sessions: which replica hosts each, what is in flight, when each goes idle.
+
+    ``capacities``: replica -> the most sessions it hosts at once (0: no
+    limit but the worker's ``max_sessions``).
+    """
+
+    def __init__(self, capacities: Mapping[str, int], config: WorkerSessionConfig | None = None) -> None:
+        self.config = config = config or WorkerSessionConfig()
+        self.capacities = dict(capacities)
+        self._active: dict[str, int] = dict.fromkeys(capacities, 0)
+        self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()  # oldest activity first
+        self._idle = config.idle_timeout
+        self._opened = self._refused = self._unknown = 0
+        self.revision = 0
+        """Bumped by every change of the sessions hosted: what orders the worker's words to a proxy."""
+        self._ended = {"idle": 0, "terminated": 0}
+
+    def __repr__(self) -> str:
+        return f"<SessionTracker sessions={len(self._sessions)} replicas={len(self.capacities)}>"
+
+    def active(self, replica: str) -> int:
+        return self._active.get(replica, 0)
+
+    def open(self, session: str, replica: str, now: float) -> bool:
+        """Host ``session`` on ``replica``; False if the replica (or the worker) is full.
+
+        Opening a session that is already open on that replica is a no-op
+        that succeeds (a start retried after a lost answer).
+        """
+        existing = self._sessions.get(session)
+        if existing is not None:
+            return existing.replica == replica
+        capacity = self.capacities.get(replica)
+        if capacity is None:
+            raise KeyError(replica)
+        if (capacity and self._active[replica] >= capacity) or len(self._sessions) >= self.config.max_sessions:
+            self._refused += 1
+            return False
+        self._sessions[session] = _Session(replica, now)
+        self._active[replica] += 1
+        self._opened += 1
+        self.revision += 1
+        return True
+
+    def begin(self, session: str, replica: str, now: float) -> bool:
+        """A request of ``session`` for ``replica`` starts; False if the worker does not host it there."""
+        state = self._sessions.get(session)
+        if state is None or state.replica != replica:
+            self._unknown += 1
+            return False
+        state.in_flight += 1
+        state.last_active = now
+        self._sessions.move_to_end(session)
+        return True
+
+    def end(self, session: str, now: float) -> None:
+        """A request of ``session`` ended (however it ended)."""
+        state = self._sessions.get(session)
+        # None: terminated meanwhile, nothing left to count. 0: the request began on an earlier
+        # session of that id (terminated, then opened again); counting it would take in_flight
+        # below 0, and a session with a non-zero in_flight never expires.
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+            state.last_active = now
+            self._sessions.move_to_end(session)
+
+    def terminate(self, session: str) -> str | None:
+        """End ``session`` now; the replica that hosted it, or None if there was none.
+
+        Requests of the session already in flight run to their end; new ones
+        get a 410.
+        """
+        state = self._sessions.pop(session, None)
+        if state is None:
+            return None
+        self._active[state.replica] -= 1
+        self._ended["terminated"] += 1
+        self.revision += 1
+        return state.replica
+
+    def expire(self, now: float) -> list[tuple[str, str]]:
+        """End the sessions idle for ``idle_timeout``: their ``(session, replica)``."""
+        ended = []
+        sessions = self._sessions
+        limit = now - self._idle
+        busy: list[str] = []
+        while sessions:
+            session, state = next(iter(sessions.items()))
+            if state.last_active > limit:
+                break
+            if state.in_flight:
+                busy.append(session)  # alive while a request is in flight; looked at again when it ends
+                sessions.move_to_end(session)
+                if len(busy) >= len(sessions):
+                    break
+                continue
+            del sessions[session]
+            self._active[state.replica] -= 1
+            ended.append((session, state.replica))
+        if ended:
+            self._ended["idle"] += len(ended)
+            self.revision += 1
+        return ended
+
+    def statistics(self) -> TrackerStatistics:
+        return TrackerStatistics(
+            dict(self._active),
+            dict(self.capacities),
+            self._opened,
+            dict(self._ended),
+            self._refused,
+            self._unknown,
+        )

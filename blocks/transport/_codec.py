@@ -1,0 +1,440 @@
+"""The HTTP/2 codec seam: the contract the h2 driver holds a codec to, and the hyper-h2 codec.
+
+Every line of proxyblocks that knows hyper-h2 (or hpack, or hyperframe) is in
+this module; the driver (:mod:`blocks.transport._h2`), the server connection,
+the splices, the taps, the pool and the mirror speak to a :class:`Codec`.
+A second codec (libnghttp2 through cffi) is a second implementation of it,
+chosen where the connection is made (:func:`make_h2`), with the same tests.
+
+What a second codec must provide
+--------------------------------
+
+A codec is one connection's HTTP/2 state machine, sans-IO: bytes in
+(``receive_data``), events out, bytes to send (``data_to_send``), and calls
+that queue frames (``send_headers``, ``send_data``, ``end_stream``,
+``reset_stream``, ``acknowledge_received_data``, ``close_connection``, ...).
+The method names and their meaning are hyper-h2's, so the hyper-h2 codec
+*is* an ``H2Connection`` (a subclass): a call through the seam costs what a
+call to h2 cost before it, nothing more. :class:`Codec` lists every member
+the driver side uses; nothing else may be called.
+
+Speed is the product, so events are not wrapped. ``receive_data`` returns
+the codec's own event objects, and the codec's class attribute
+``event_kinds`` maps each event class it emits to an :class:`EventKind`
+(classes it does not map are ignored). A driver role binds its handlers by
+kind once per connection (``H2Driver.bind``) into a dict keyed by event
+class, so dispatching an event is one dict lookup on ``type(ev)``, as it
+was with h2 alone. The attributes a handler reads, per kind:
+
+- every stream event: ``stream_id`` (int);
+- ``REQUEST``, ``RESPONSE``: ``headers`` (a list of ``(bytes, bytes)``, as
+  received: no validation, no normalisation, no decoding to str),
+  ``stream_ended`` (None unless the frame ended the stream);
+- ``DATA``: ``data`` (bytes), ``flow_controlled_length`` (int, padding
+  included: the amount to acknowledge), ``stream_ended``;
+- ``TRAILERS``: ``headers``;
+- ``STREAM_ENDED``: nothing more (it follows the event that ended the stream);
+- ``RESET``: ``error_code`` (an int, one of :data:`ErrorCodes`);
+- ``WINDOW_UPDATED``: ``stream_id`` 0 for the connection's window;
+- ``SETTINGS_CHANGED``: nothing (the driver reads ``remote_settings``);
+- ``TERMINATED`` (a GOAWAY received): ``error_code``, ``last_stream_id``.
+
+A codec also:
+
+- raises :data:`ProtocolError` (or a subclass) for anything the peer or the
+  caller got wrong, after queueing the GOAWAY it calls for; the drivers
+  catch nothing else;
+- uses the RFC 9113 error codes (:data:`ErrorCodes`, an ``IntEnum``);
+- never validates or normalises header fields (the edge validates request
+  heads once, :mod:`blocks.transport._validate`), and leaves a request's
+  ``content-length`` to the listener when asked (``check_lengths=False``);
+- sends a field given as an ``hpack.NeverIndexedHeaderTuple`` (``server-timing``,
+  made in :mod:`blocks.timing`) never-indexed, and literals without Huffman
+  coding unless asked (``huffman``);
+- enforces the abuse limits of :class:`GuardedFrameBuffer` on a server
+  (``guard``), and counts what the driver reports through ``control_frame``;
+- keeps a graceful GOAWAY from closing the connection: ``goaway_frame``
+  makes one beside the state machine, ``reopen_after_goaway`` puts the
+  state back after one is received, and ``outlive_goaway`` lets the frames
+  that follow a received GOAWAY in the same read through (python-hyper/h2#1181);
+- keeps the inbound window books: ``inbound_books()`` is ``(window, unacknowledged)``.
+
+The hyper-h2 codec patches h2 internals for all that (a class swap on new
+streams, the frame buffer's header parsing, the connection state machine's
+transitions and state, the inbound window manager's books):
+``tests/test_h2_internals.py`` checks that each one is still there and
+still means what it meant, and ``pyproject.toml`` pins h2 to the minor
+release they were checked against.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.frame_buffer
+import h2.settings
+import h2.stream
+import hpack
+import hyperframe.frame
+
+from blocks.http import Headers
+
+# -- the contract ----------------------------------------------------------------------------
+
+ProtocolError = h2.exceptions.ProtocolError
+"""What every codec raises for a protocol error (a second codec raises a subclass)."""
+
+ErrorCodes = h2.errors.ErrorCodes
+"""The RFC 9113 (7) error codes, an ``IntEnum``: a codec takes and reports these values."""
+
+
+class EventKind(enum.Enum):
+    """What a codec's event is, for the driver to pick its handler (see the module docstring)."""
+
+    REQUEST = "request"
+    RESPONSE = "response"
+    DATA = "data"
+    TRAILERS = "trailers"
+    STREAM_ENDED = "stream_ended"
+    RESET = "reset"
+    WINDOW_UPDATED = "window_updated"
+    SETTINGS_CHANGED = "settings_changed"
+    TERMINATED = "terminated"
+
+
+class CodecSettings(Protocol):
+    """The peer's settings, as far as the drivers read them."""
+
+    @property
+    def max_concurrent_streams(self) -> int: ...
+
+    @property
+    def enable_connect_protocol(self) -> int: ...
+
+
+class Codec(Protocol):
+    """One HTTP/2 connection's state machine: everything the drivers call (see the module docstring)."""
+
+    event_kinds: ClassVar[Mapping[type, EventKind]]
+
+    @property
+    def max_outbound_frame_size(self) -> int:
+        """The largest DATA payload one ``send_data`` may take."""
+
+    @property
+    def highest_inbound_stream_id(self) -> int: ...
+
+    @property
+    def remote_settings(self) -> CodecSettings: ...
+
+    def initiate_connection(self) -> None:
+        """Queue the preface (a client's) and our SETTINGS."""
+
+    def receive_data(self, data: bytes | bytearray) -> list[Any]:
+        """Feed received bytes; the events they make, in order."""
+
+    def data_to_send(self) -> bytes:
+        """Take every byte queued so far."""
+
+    def send_headers(self, stream_id: int, headers: Headers, end_stream: bool = False) -> None:
+        """A head (opening the stream if new) or, on a stream with a head, trailers."""
+
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        """One DATA frame: ``data`` fits the stream's and the connection's send windows and the frame size."""
+
+    def end_stream(self, stream_id: int) -> None: ...
+
+    def reset_stream(self, stream_id: int, error_code: int = 0) -> None: ...
+
+    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
+        """Give received DATA bytes back (the connection's window, and the stream's while it is open)."""
+
+    def local_flow_control_window(self, stream_id: int) -> int:
+        """What may be sent on ``stream_id`` now (the smaller of its window and the connection's)."""
+
+    def increment_flow_control_window(self, increment: int) -> None:
+        """Open the connection's inbound window by ``increment``."""
+
+    def close_connection(self, error_code: int = 0, *, last_stream_id: int | None = None) -> None:
+        """Queue the final GOAWAY; the codec takes no frame after it."""
+
+    def get_next_available_stream_id(self) -> int: ...
+
+    def stream_is_open(self, stream_id: int) -> bool:
+        """Whether the codec knows ``stream_id`` and has not closed it."""
+
+    def inbound_books(self) -> tuple[int, int]:
+        """``(window, unacknowledged)``: what the peer may still send; what was received and not given back."""
+
+    def goaway_frame(self, last_stream_id: int) -> bytes:
+        """A graceful GOAWAY(NO_ERROR) to write beside the state machine, which stays open."""
+
+    def reopen_after_goaway(self) -> None:
+        """After a received graceful GOAWAY: let the streams in flight finish."""
+
+    def control_frame(self) -> None:
+        """Count a control frame the driver saw (a window update that serves no stream); ProtocolError on a flood."""
+
+
+# -- the hyper-h2 codec ------------------------------------------------------------------------
+
+
+class PlainEncoder(hpack.Encoder):
+    """An HPACK encoder that writes string literals without Huffman coding.
+
+    RFC 7541 5.2 lets each literal be sent either way. Huffman saves about a
+    fifth of the bytes of literal fields and costs, in pure Python, a third
+    of a hop's HPACK time on both sides; between hops on a fast network the
+    CPU is what counts. Indexed fields are unaffected.
+    """
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        return super().encode(headers, huffman=False)
+
+
+class CompressionError(h2.exceptions.ProtocolError):
+    """A header block HPACK cannot decode: a connection error COMPRESSION_ERROR (RFC 9113 4.3)."""
+
+    error_code = h2.errors.ErrorCodes.COMPRESSION_ERROR
+
+
+class CheckedDecoder(hpack.Decoder):
+    """hpack's decoder, whose failures h2 reports with the right error code.
+
+    h2 turns every decoding error into a plain PROTOCOL_ERROR; RFC 9113 4.3
+    asks for COMPRESSION_ERROR. An oversized list stays h2's business (it
+    answers ENHANCE_YOUR_CALM: an HPACK bomb).
+    """
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        try:
+            return super().decode(data, raw)
+        except hpack.OversizedHeaderListError:
+            raise
+        except (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError) as exc:
+            raise CompressionError(f"undecodable header block: {exc}") from exc
+
+
+class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's inbound frame buffer, with the limits a server facing strangers needs.
+
+    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block) and
+    counts nothing else. This buffer sees every frame before h2 acts on it and
+    allows:
+
+    - a header block (HEADERS plus its CONTINUATIONs) of at most
+      ``max_header_block`` encoded bytes;
+    - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
+      whose payload is empty and that end nothing;
+    - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
+    - no SETTINGS ACK with a payload (6.5: FRAME_SIZE_ERROR, where
+      hyperframe's parse error would make it PROTOCOL_ERROR);
+    - at most ``flood_limit`` control frames per ``flood_window`` seconds:
+      SETTINGS, PING, PRIORITY, frames of unknown types, and whatever the
+      driver reports through :meth:`control_frame` (window updates that
+      serve no stream).
+
+    Crossing one raises h2's ``DenialOfServiceError``, which h2 answers with
+    GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the connection.
+    """
+
+    def __init__(self, *, max_header_block: int, max_empty: int, flood_limit: int, flood_window: float) -> None:
+        super().__init__(server=True)
+        self.max_header_block = max_header_block
+        self.max_empty = max_empty
+        self.flood_limit = flood_limit
+        self.flood_window = flood_window
+        self._block = 0  # bytes of the header block being received
+        self._empty = 0  # consecutive empty frames
+        self._control = 0  # control frames since _since
+        self._since = time.monotonic()
+        self._first = True
+
+    def __next__(self) -> Any:
+        data = self._data
+        if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1] or data[2]):
+            raise h2.exceptions.FrameTooLargeError("SETTINGS ACK with a payload")
+        return super().__next__()
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        kind = f.type
+        if self._first:
+            if kind != 0x4 or "ACK" in f.flags:
+                raise h2.exceptions.ProtocolError("the client's preface does not go on with SETTINGS")
+            self._first = False
+        if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
+            data = f.data
+            if kind:
+                self._block = len(data) if kind == 1 else self._block + len(data)
+                if self._block > self.max_header_block:
+                    raise h2.exceptions.DenialOfServiceError(f"header block over {self.max_header_block} bytes")
+            if data or "END_STREAM" in f.flags or "END_HEADERS" in f.flags:
+                self._empty = 0
+            else:
+                self._empty += 1
+                if self._empty > self.max_empty:
+                    raise h2.exceptions.DenialOfServiceError(f"more than {self.max_empty} empty frames in a row")
+        elif kind in _CONTROL_FRAMES or kind > 9:
+            self.control_frame()
+        return super()._update_header_buffer(f)
+
+    def control_frame(self) -> None:
+        """Count one control frame; raise once there are too many in the window."""
+        self._control += 1
+        if self._control > self.flood_limit:
+            now = time.monotonic()
+            if now - self._since < self.flood_window:
+                raise h2.exceptions.DenialOfServiceError(
+                    f"more than {self.flood_limit} control frames in {self.flood_window:g} s"
+                )
+            self._control = 1
+            self._since = now
+
+
+_CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
+
+
+class _LengthUncheckedStream(h2.stream.H2Stream):
+    """An h2 stream that leaves ``content-length`` to proxyblocks.
+
+    h2 checks a request's ``content-length`` against its DATA itself, and a
+    mismatch or a malformed value fails the whole connection; RFC 9113 8.1.1
+    makes it an error of that stream alone. A validating listener checks it
+    per stream instead (``H2ServerConnection``), on streams of this class.
+    """
+
+    def _initialize_content_length(self, headers: Any) -> None:
+        pass
+
+    def _track_content_length(self, length: int, end_stream: bool) -> None:
+        pass
+
+
+class H2Codec(h2.connection.H2Connection):
+    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`."""
+
+    event_kinds: ClassVar[Mapping[type, EventKind]] = {
+        h2.events.RequestReceived: EventKind.REQUEST,
+        h2.events.ResponseReceived: EventKind.RESPONSE,
+        h2.events.DataReceived: EventKind.DATA,
+        h2.events.TrailersReceived: EventKind.TRAILERS,
+        h2.events.StreamEnded: EventKind.STREAM_ENDED,
+        h2.events.StreamReset: EventKind.RESET,
+        h2.events.WindowUpdated: EventKind.WINDOW_UPDATED,
+        h2.events.RemoteSettingsChanged: EventKind.SETTINGS_CHANGED,
+        h2.events.ConnectionTerminated: EventKind.TERMINATED,
+    }
+    guard: GuardedFrameBuffer | None = None
+
+    def stream_is_open(self, stream_id: int) -> bool:
+        stream = self.streams.get(stream_id)
+        return stream is not None and not stream.closed
+
+    def inbound_books(self) -> tuple[int, int]:
+        # h2 keeps the books; its window manager has no public reading of them.
+        window = self._inbound_flow_control_window_manager
+        held = window.max_window_size - window.current_window_size - window._bytes_processed
+        return window.current_window_size, held
+
+    def goaway_frame(self, last_stream_id: int) -> bytes:
+        # h2 moves its state machine to CLOSED on any GOAWAY it sends, which
+        # would forbid finishing the streams in flight (python-hyper/h2#1181),
+        # so this one is written beside it. The final GOAWAY goes through h2.
+        frame = hyperframe.frame.GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
+        return frame.serialize()
+
+    def reopen_after_goaway(self) -> None:
+        # h2 moved to CLOSED on the GOAWAY it received (see goaway_frame): put it back.
+        self.state_machine.state = (
+            h2.connection.ConnectionState.CLIENT_OPEN
+            if self.config.client_side
+            else h2.connection.ConnectionState.SERVER_OPEN
+        )
+
+    def control_frame(self) -> None:
+        if self.guard is not None:
+            self.guard.control_frame()
+
+
+class _LengthUncheckedCodec(H2Codec):
+    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> h2.stream.H2Stream:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _LengthUncheckedStream  # same layout; only the two checks differ
+        return stream
+
+
+# h2's connection state machine, except that a GOAWAY received leaves it open.
+# h2 moves to CLOSED on any GOAWAY it receives and then rejects every other
+# frame, including those that came in the same read right behind it (the
+# responses of the very streams the GOAWAY lets finish, a PING), before the
+# reader could put the state back with ``reopen_after_goaway``: the connection
+# would die with them. The pool's ``accepting`` is what stops new streams.
+_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
+_OUTLIVE_GOAWAY = {
+    **h2.connection.H2ConnectionStateMachine._transitions,
+    (_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _OPEN),
+}
+
+
+def make_h2(
+    *,
+    client_side: bool,
+    max_concurrent_streams: int,
+    stream_window: int,
+    max_header_list_size: int,
+    huffman: bool = False,
+    guard: GuardedFrameBuffer | None = None,
+    check_lengths: bool = True,
+    connect_protocol: bool = False,
+    outlive_goaway: bool = False,
+) -> H2Codec:
+    """The hyper-h2 codec for one side of one hop, with h2's header checks off.
+
+    h2's own header validation costs more than the rest of a hop's work and
+    turns a malformed request into a connection error. Proxyblocks validates
+    request heads once, at the edge, in :mod:`blocks.transport._validate` (a stream
+    error, 400); every other hop only hears from a hop that did.
+    ``connect_protocol`` (servers) advertises ``SETTINGS_ENABLE_CONNECT_PROTOCOL``
+    (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.
+    ``outlive_goaway`` (clients) keeps the connection open through a GOAWAY
+    received, for the frames behind it (see ``_OUTLIVE_GOAWAY``).
+    """
+    config = h2.config.H2Configuration(
+        client_side=client_side,
+        header_encoding=None,
+        validate_inbound_headers=False,
+        normalize_inbound_headers=False,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
+    )
+    conn = (H2Codec if check_lengths else _LengthUncheckedCodec)(config)
+    conn.decoder = CheckedDecoder()
+    if guard is not None:
+        conn.incoming_buffer = conn.guard = guard
+    if outlive_goaway:
+        conn.state_machine._transitions = _OUTLIVE_GOAWAY
+    # h2 applies our SETTINGS to its decoder only once the peer acknowledges
+    # them; a head that arrives before that must meet the same limit.
+    conn.decoder.max_header_list_size = max_header_list_size
+    if not huffman:
+        conn.encoder = PlainEncoder()
+    codes = h2.settings.SettingCodes
+    conn.local_settings = h2.settings.Settings(
+        client=client_side,
+        initial_values={
+            codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
+            codes.INITIAL_WINDOW_SIZE: stream_window,
+            codes.MAX_HEADER_LIST_SIZE: max_header_list_size,
+            codes.ENABLE_PUSH: 0,
+            **({codes.ENABLE_CONNECT_PROTOCOL: 1} if connect_protocol else {}),
+        },
+    )
+    return conn
