@@ -173,12 +173,19 @@ from blocks.tokens import (
     TokenVerifierConfig,
     TokenVerifierStatistics,
 )
-from blocks.transport._codec import Codec, CodecSettings, EventKind
-from blocks.transport._h2 import H2ConnectionStatistics, H2Driver, H2Stream, Relay
-from blocks.transport._splice import Sink
-from blocks.transport._tap import Tee
 from blocks.transport.listener import HTTPServer, ListenerConfig, ServerStatistics, serve_http
 from blocks.transport.multiplexer import PoolStatistics, UpstreamConfig, Upstreams, open_upstreams
+from blocks.transport.streams import (
+    Codec,
+    CodecSettings,
+    EventKind,
+    H2ConnectionStatistics,
+    H2Driver,
+    H2Stream,
+    Relay,
+    Sink,
+    Tee,
+)
 from blocks.transport.tls import make_self_signed, server_context
 from blocks.websocket import (
     WebSocketApp,

@@ -9,7 +9,10 @@ proxyblocks, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
+
+from blocks.fields import ENDED_HEADER
 
 if TYPE_CHECKING:
     from blocks.tokens import TokenReason
@@ -112,6 +115,63 @@ class PayloadTooLarge(StreamReset):
     """
 
     status = 413
+
+
+# -- the fair scheduler and sessions --------------------------------------------------------
+
+
+def _retry_after_headers(retry_after: float) -> list[tuple[bytes, bytes]]:
+    return [(b"retry-after", b"%d" % math.ceil(retry_after))]
+
+
+class QueueFull(BlocksError):
+    """The tenant's wait queue is full: 429, with ``retry-after``.
+
+    ``retry_after`` is the tenant's ``TenantPolicy.retry_after`` in seconds;
+    ``headers`` is the ``retry-after`` field to send with the 429 (whole
+    seconds, rounded up).
+    """
+
+    status = 429
+
+    def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.retry_after = retry_after
+        self.headers = _retry_after_headers(retry_after)
+
+
+class QueueTimeout(BlocksError):
+    """The request waited its tenant's whole ``queue_timeout`` without a slot: 503.
+
+    Carries ``retry_after`` and ``headers`` like :class:`QueueFull`.
+    """
+
+    status = 503
+
+    def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.retry_after = retry_after
+        self.headers = _retry_after_headers(retry_after)
+
+
+class SessionGone(BlocksError):
+    """The session's replica is gone, or its worker no longer hosts the session: 410.
+
+    Never a silent move to another replica: the client starts a new session.
+    ``reason`` goes on the wire in ``proxyblocks-session-ended``:
+    ``replica-gone`` (the replica left the routes or is ``down``) or
+    ``not-hosted`` (the worker ended the session: idle, terminated, or it
+    restarted).
+    """
+
+    status = 410
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.headers = [(ENDED_HEADER, reason.encode())]
 
 
 # -- route sources ----------------------------------------------------------------------------

@@ -28,9 +28,14 @@ from pathlib import Path
 
 import trio
 
-from blocks.routing import encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
-from blocks.routing._layout import parse_address
-from blocks.routing._table import STATES
+from blocks.routing import (
+    REPLICA_STATES,
+    encode_domain,
+    encode_replica,
+    parse_address,
+    route_key_for_domain,
+    route_key_for_replica,
+)
 from blocks.sources import EtcdSource, RouteFileError, SourceError, read_route_file, write_route_file
 
 
@@ -131,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     replica.add_argument("--address", required=True, type=_host_port, help="the replica, as the worker sees it")
     replica.add_argument("--protocol", choices=("h2", "h1"), default="h2", help="worker -> replica (default: h2)")
     replica.add_argument("--capacity", type=_capacity, default=0, help="requests at once, 0 = unknown (default)")
-    replica.add_argument("--state", choices=STATES, default="live", help="default: live")
+    replica.add_argument("--state", choices=REPLICA_STATES, default="live", help="default: live")
 
     delete = commands.add_parser("delete", help="delete KEY (domains/<domain> or apps/<app>/replicas/<name>)")
     delete.add_argument("key")

@@ -53,8 +53,8 @@ import trio_websocket
 from blocks._sync import Signal, one_error
 from blocks.errors import StreamReset
 from blocks.http import HOP_BY_HOP, Body, BytesBody, Handler, Headers, Request, Response, error_response, text_response
-from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, new_key
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
+from blocks.transport.streams import KEY_FIELDS, WEBSOCKET_VERSION, new_key
 
 log = logging.getLogger("blocks.websocket")
 

@@ -170,3 +170,41 @@ def test_every_type_a_public_signature_names_is_exported() -> None:
                 for named in _named_types(annotation) & ours - exported:
                     missing.setdefault(named, []).append(label)
     assert missing == {}, missing
+
+
+def _package_of(path: Path) -> str:
+    """The package a module of ``blocks`` belongs to: ``blocks.hops`` for hops/proxy.py, ``blocks`` for http.py."""
+    parts = path.relative_to(BLOCKS.parent).with_suffix("").parts
+    return ".".join(parts[:-1])
+
+
+def _private_imports(path: Path) -> list[str]:
+    """What ``path`` imports that is private to another package: a ``_module`` or a ``_name`` outside its own."""
+    package = _package_of(path)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.module is None or not node.module.startswith("blocks"):
+            continue
+        module = node.module.split(".")
+        for i, part in enumerate(module):
+            if part.startswith("_"):
+                owner = ".".join(module[:i])  # the package whose private module it is
+                if package != owner and not package.startswith(owner + "."):
+                    found.append(node.module)
+                break
+        else:
+            owner = node.module
+            if package != owner and not package.startswith(owner + "."):
+                found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another_package() -> None:
+    roots = [BLOCKS, BLOCKS.parent / "recipes"]
+    stray = {
+        str(path.relative_to(BLOCKS.parent)): found
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        if (found := _private_imports(path))
+    }
+    assert not stray, stray

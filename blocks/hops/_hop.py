@@ -49,10 +49,9 @@ from blocks.http import Headers, Request, Response, abandon
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
 from blocks.transport import Address
-from blocks.transport._h2 import H2Driver, H2Stream
-from blocks.transport._tap import TappedBody, Tee, tap_splice
 from blocks.transport.listener import ListenerConfig
 from blocks.transport.multiplexer import Upstreams
+from blocks.transport.streams import H2Driver, H2Stream, TappedBody, Tee, tap_splice
 
 if TYPE_CHECKING:
     from blocks.routing import Replica

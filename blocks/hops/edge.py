@@ -12,9 +12,9 @@ from blocks.fields import INTERNAL_PREFIX
 from blocks.hops._hop import Exchange, Feature, Forward, Hop
 from blocks.http import Headers, Request, strip_hop_by_hop
 from blocks.transport import Address
-from blocks.transport._upgrade import KEY_FIELDS
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+from blocks.transport.streams import KEY_FIELDS
 
 _FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
 

@@ -5,8 +5,9 @@ in ``_core.py``; the trio driver (:class:`Mirror`, :func:`open_mirror`, the
 shadow exchanges and body-less sinks) is ``_driver.py``. See docs/mirror.md.
 """
 
+from blocks.fields import MIRROR_HEADER
 from blocks.mirror._core import MirrorPair, Observation, RouteComparison, Sampler
-from blocks.mirror._driver import MIRROR_HEADER, Mirror, MirrorConfig, MirrorStatistics, open_mirror
+from blocks.mirror._driver import Mirror, MirrorConfig, MirrorStatistics, open_mirror
 
 __all__ = [
     "MIRROR_HEADER",

@@ -59,6 +59,7 @@ import trio
 
 from blocks._sync import one_error
 from blocks.errors import BlocksError, UpstreamTimeout
+from blocks.fields import INTERNAL_PREFIX, MIRROR_HEADER, REPLICA_HEADER
 from blocks.http import Headers, Request, StreamBody
 from blocks.mirror._core import (
     BodyDigest,
@@ -74,16 +75,12 @@ from blocks.mirror._core import (
     select_headers,
 )
 from blocks.mirror._shadow import _Shadow
-from blocks.routing import Address, LeastInFlight, MirrorSetting, Routes
-from blocks.routing._table import host_of
-from blocks.transport._h2 import H2Driver, H2Stream, acknowledge
+from blocks.routing import Address, LeastInFlight, MirrorSetting, Routes, host_of
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+from blocks.transport.streams import H2Driver, H2Stream, acknowledge
 
 log = logging.getLogger("blocks.mirror")
 
-_INTERNAL = b"x-proxyblocks-"
-_REPLICA_HEADER = b"x-proxyblocks-replica"  # what the worker reads (see blocks.hops)
-MIRROR_HEADER = b"x-proxyblocks-mirror"
 
 TenantKey = Callable[[Request], str]
 
@@ -277,7 +274,7 @@ class Mirror:
         if self._running >= self.config.max_in_flight:
             counts["skipped"] += 1
             return None
-        shadow_headers = [field for field in headers if not field[0].startswith(_INTERNAL)]
+        shadow_headers = [field for field in headers if not field[0].startswith(INTERNAL_PREFIX)]
         shadow_headers.append(self._marker)
         if setting.to is not None:
             candidates = routes.replicas(setting.to)
@@ -287,7 +284,7 @@ class Mirror:
             replica = self._policy.pick(request, candidates, self.in_flight)
             address: Address = replica.worker
             target = replica.name
-            shadow_headers.append((_REPLICA_HEADER, target.encode()))
+            shadow_headers.append((REPLICA_HEADER, target.encode()))
         else:
             assert setting.address is not None
             address = setting.address

@@ -6,9 +6,8 @@ The load report format, the estimator (:class:`LoadEstimator`), the
 :func:`open_prober`) is ``_driver.py``. See docs/prober.md.
 """
 
+from blocks.fields import LOAD_PATH, PROBE_HEADER
 from blocks.prober._core import (
-    LOAD_PATH,
-    PROBE_HEADER,
     AppAutoscale,
     AutoscaleConfig,
     AutoscaleSignal,

@@ -61,17 +61,6 @@ if TYPE_CHECKING:
     from blocks.http import Request
     from blocks.routing import Policy, Replica
 
-LOAD_PATH = b"/.proxyblocks/load"
-"""The path a worker answers itself with its replicas' load (see :class:`~blocks.hops.Worker`)."""
-
-PROBE_HEADER = b"x-proxyblocks-probe"
-"""A request to :data:`LOAD_PATH` is answered by the worker only if it carries
-this field. The edge drops every ``x-proxyblocks-*`` field a client sends, so
-only a hop behind the edge (the prober) can set it."""
-
-REPLICA_HEADER = b"x-proxyblocks-replica"
-"""The replica the proxy picked, as it tells the worker (last of the fields it forwards)."""
-
 
 def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not math.isfinite(value):

@@ -28,10 +28,9 @@ import attrs
 import trio
 
 from blocks._sync import one_error
+from blocks.fields import LOAD_PATH, PROBE_HEADER
 from blocks.http import BytesBody, Headers, Request, Response
 from blocks.prober._core import (
-    LOAD_PATH,
-    PROBE_HEADER,
     AutoscaleSignal,
     LoadEstimator,
     LoadReport,

@@ -27,6 +27,9 @@ from blocks.routing._layout import (
     decode_replica,
     encode_domain,
     encode_replica,
+    format_address,
+    parse_address,
+    parse_key,
     route_key_for_domain,
     route_key_for_replica,
 )
@@ -37,9 +40,11 @@ from blocks.routing._settings import (
     MirrorSetting,
     decode_settings,
     encode_settings,
+    parse_settings_key,
     route_key_for_settings,
 )
-from blocks.routing._table import Replica, Routes, RouteTable
+from blocks.routing._table import STATES as REPLICA_STATES
+from blocks.routing._table import Replica, Routes, RouteTable, host_of
 from blocks.transport import Address
 
 __all__ = [
@@ -52,10 +57,16 @@ __all__ = [
     "RouteCache",
     "RouteCacheStatistics",
     "RouteEvent",
+    "REPLICA_STATES",
     "decode_domain",
     "decode_replica",
     "encode_domain",
     "encode_replica",
+    "format_address",
+    "host_of",
+    "parse_address",
+    "parse_key",
+    "parse_settings_key",
     "route_key_for_domain",
     "route_key_for_replica",
     # per-app settings

@@ -83,14 +83,8 @@ from collections import deque
 from types import MappingProxyType
 from typing import Final, Literal
 
-from blocks.scheduler._core_config import (
-    QueueFull,
-    QueueTimeout,
-    SchedulerConfig,
-    SchedulerStatistics,
-    TenantPolicy,
-    TenantStatistics,
-)
+from blocks.errors import QueueFull, QueueTimeout
+from blocks.scheduler._core_config import SchedulerConfig, SchedulerStatistics, TenantPolicy, TenantStatistics
 
 __all__ = [  # the configuration, errors and snapshots are re-exported: they are the core's vocabulary
     "FairQueue",

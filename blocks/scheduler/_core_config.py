@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from blocks.errors import BlocksError
-
 if TYPE_CHECKING:
-    from blocks.http import Headers
+    pass
 
 # -- configuration --------------------------------------------------------------------------
 
@@ -95,45 +93,6 @@ class SchedulerConfig:
     def policy(self, tenant: str) -> TenantPolicy:
         """The policy that applies to ``tenant``."""
         return self.tenants.get(tenant, self.default_policy)
-
-
-# -- errors -----------------------------------------------------------------------------------
-
-
-def _retry_after_headers(retry_after: float) -> Headers:
-    return [(b"retry-after", b"%d" % math.ceil(retry_after))]
-
-
-class QueueFull(BlocksError):
-    """The tenant's wait queue is full: 429, with ``retry-after``.
-
-    ``retry_after`` is the tenant's ``TenantPolicy.retry_after`` in seconds;
-    ``headers`` is the ``retry-after`` field to send with the 429 (whole
-    seconds, rounded up).
-    """
-
-    status = 429
-
-    def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.tenant = tenant
-        self.retry_after = retry_after
-        self.headers = _retry_after_headers(retry_after)
-
-
-class QueueTimeout(BlocksError):
-    """The request waited its tenant's whole ``queue_timeout`` without a slot: 503.
-
-    Carries ``retry_after`` and ``headers`` like :class:`QueueFull`.
-    """
-
-    status = 503
-
-    def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.tenant = tenant
-        self.retry_after = retry_after
-        self.headers = _retry_after_headers(retry_after)
 
 
 # -- statistics -------------------------------------------------------------------------------

@@ -34,18 +34,10 @@ Module map: ``_core`` (sans-IO: :class:`SessionPlacer`, :class:`SessionTracker`,
 configs), ``_broker`` (the proxy's trio side).
 """
 
+from blocks.errors import SessionGone
+from blocks.fields import ENDED_HEADER, SESSION_HEADER, SESSIONS_PATH
 from blocks.sessions._broker import SessionBroker, open_sessions, session_control_response
-from blocks.sessions._core import (
-    ENDED_HEADER,
-    SESSION_HEADER,
-    SESSIONS_PATH,
-    ReplicaSessions,
-    SessionConfig,
-    SessionGone,
-    SessionPlacer,
-    SessionStatistics,
-    SessionTicket,
-)
+from blocks.sessions._core import ReplicaSessions, SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
 from blocks.sessions._core_tracker import SessionTracker, TrackerStatistics, WorkerSessionConfig
 
 __all__ = [

@@ -14,21 +14,15 @@ from typing import TYPE_CHECKING
 import trio
 
 from blocks._sync import one_error
-from blocks.errors import NoRoute, Unauthorized, UpstreamProtocolError, UpstreamTimeout
+from blocks.errors import NoRoute, SessionGone, Unauthorized, UpstreamProtocolError, UpstreamTimeout
 from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
 from blocks.http import BytesBody, Headers, Request, Response
-from blocks.sessions._core import (
-    SessionConfig,
-    SessionGone,
-    SessionPlacer,
-    SessionStatistics,
-    SessionTicket,
-    SessionTracker,
-)
-from blocks.tokens._proxy_auth import take_token
+from blocks.sessions._core import SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
+from blocks.sessions._core_tracker import SessionTracker
+from blocks.tokens import take_token
 
 if TYPE_CHECKING:
-    from blocks.prober._core import LoadReport
+    from blocks.prober import LoadReport
     from blocks.routing import Replica, Routes
     from blocks.tokens import TokenClaims, TokenIssuer, TokenVerifier
     from blocks.transport.multiplexer import Upstreams
@@ -137,8 +131,8 @@ class SessionBroker:
         """Start a session of ``app`` for ``tenant``: place it, have its worker open it, mint its token.
 
         Waits for a place in the app's fair queue when every replica is full
-        (:class:`~blocks.scheduler._core.QueueFull` 429 when the queue is, a
-        :class:`~blocks.scheduler._core.QueueTimeout` 503 at its deadline);
+        (:class:`~blocks.errors.QueueFull` 429 when the queue is, a
+        :class:`~blocks.errors.QueueTimeout` 503 at its deadline);
         :class:`~blocks.errors.NoRoute` (503) when the app has no live replica.
         """
         placer, live = self.placer, self._live

@@ -48,39 +48,10 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from blocks.errors import BlocksError
-from blocks.scheduler._core import QueueFull, QueueTimeout
+from blocks.errors import QueueFull, QueueTimeout
 
 if TYPE_CHECKING:
     from blocks.routing import Replica
-
-SESSIONS_PATH = b"/.proxyblocks/sessions"
-"""``POST`` here starts a session of a sessioned app; ``DELETE`` (with its session token) ends it."""
-
-SESSION_HEADER = b"x-proxyblocks-session"
-"""The session id, as the proxy forwards it to the worker and the worker to the replica."""
-
-
-ENDED_HEADER = b"proxyblocks-session-ended"
-"""Why a session's request got a 410, for the client: ``replica-gone`` or ``not-hosted``."""
-
-
-class SessionGone(BlocksError):
-    """The session's replica is gone, or its worker no longer hosts the session: 410.
-
-    Never a silent move to another replica: the client starts a new session.
-    ``reason`` goes on the wire in ``proxyblocks-session-ended``:
-    ``replica-gone`` (the replica left the routes or is ``down``) or
-    ``not-hosted`` (the worker ended the session: idle, terminated, or it
-    restarted).
-    """
-
-    status = 410
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.headers = [(ENDED_HEADER, reason.encode())]
 
 
 def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:

@@ -25,7 +25,7 @@ import h11
 import trio
 
 from blocks.errors import SourceUnavailable
-from blocks.transport._h1 import H1Stream
+from blocks.transport.streams import H1Stream
 
 _ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 

@@ -43,9 +43,20 @@ from pathlib import Path
 from typing import Any
 
 from blocks.errors import RouteFileError
-from blocks.routing import encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
-from blocks.routing._layout import decode_domain, decode_replica, format_address, parse_address, parse_key
-from blocks.routing._settings import decode_settings, parse_settings_key, route_key_for_settings
+from blocks.routing import (
+    decode_domain,
+    decode_replica,
+    decode_settings,
+    encode_domain,
+    encode_replica,
+    format_address,
+    parse_address,
+    parse_key,
+    parse_settings_key,
+    route_key_for_domain,
+    route_key_for_replica,
+    route_key_for_settings,
+)
 
 REPLICA_FIELDS = ("worker", "address", "protocol", "capacity", "state")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

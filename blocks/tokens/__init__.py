@@ -94,7 +94,7 @@ The modules
 from blocks.errors import InvalidToken
 from blocks.tokens._format import DEFAULT_MAX_SIZE, VERSION, TokenClaims, TokenKind, TokenReason
 from blocks.tokens._keys import Algorithm, Keyring, TokenIssuer, TokenKey
-from blocks.tokens._proxy_auth import ProxyAuth, ProxyAuthStatistics
+from blocks.tokens._proxy_auth import ProxyAuth, ProxyAuthStatistics, take_token
 from blocks.tokens._verifier import TokenVerifier, TokenVerifierConfig, TokenVerifierStatistics
 
 __all__ = [
@@ -117,4 +117,5 @@ __all__ = [
     # proxy auth
     "ProxyAuth",
     "ProxyAuthStatistics",
+    "take_token",
 ]

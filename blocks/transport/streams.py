@@ -1,0 +1,44 @@
+"""The stream-level pieces of the transport that blocks and hops build on, under public names.
+
+- the HTTP/2 driver both sides share (:class:`H2Driver`, its streams
+  :class:`H2Stream`, their books :class:`H2ConnectionStatistics`), the one
+  function that acknowledges received DATA (:func:`acknowledge`), and the
+  codec contract the driver holds (:class:`Codec`, :class:`CodecSettings`,
+  :class:`EventKind`);
+- the fast path: :data:`Relay` (a hop's ``relay``), :data:`HeadFilter` (a
+  splice's rewrite of the response head), :class:`Sink` (what an upstream
+  stream's frames are relayed into);
+- watching an exchange go by: :class:`Tee`, :class:`TappedBody`,
+  :func:`tap_splice`;
+- an HTTP/1.1 stream (:class:`H1Stream`) and the WebSocket upgrade helpers
+  (:data:`KEY_FIELDS`, :data:`WEBSOCKET_VERSION`, :func:`new_key`).
+
+They live in private modules of :mod:`blocks.transport`; import them from here.
+"""
+
+from blocks.transport._codec import Codec, CodecSettings, EventKind
+from blocks.transport._h1 import H1Stream
+from blocks.transport._h2 import H2ConnectionStatistics, H2Driver, H2Stream, Relay, acknowledge
+from blocks.transport._splice import HeadFilter, Sink
+from blocks.transport._tap import TappedBody, Tee, tap_splice
+from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, new_key
+
+__all__ = [
+    "KEY_FIELDS",
+    "WEBSOCKET_VERSION",
+    "Codec",
+    "CodecSettings",
+    "EventKind",
+    "H1Stream",
+    "H2ConnectionStatistics",
+    "H2Driver",
+    "H2Stream",
+    "HeadFilter",
+    "Relay",
+    "Sink",
+    "TappedBody",
+    "Tee",
+    "acknowledge",
+    "new_key",
+    "tap_splice",
+]
