@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from blocks._common import Headers as Headers
 from blocks._sync import Signal
 from blocks.errors import BlocksError, StreamReset
 
@@ -36,9 +37,6 @@ if TYPE_CHECKING:
     from blocks.timing import Timing
 
 log = logging.getLogger("blocks.listener")
-
-Headers = list[tuple[bytes, bytes]]
-"""Lowercase header names and their values, in wire order."""
 
 
 class Body:

@@ -128,7 +128,15 @@ def test_sans_io_modules_load_without_trio() -> None:
         assert "trio" not in loaded, f"importing blocks.{module} loads trio, through {through}"
 
 
-TRANSPORT_MAY_IMPORT = ("blocks.transport", "blocks.http", "blocks.errors", "blocks.timing", "blocks._sync")
+TRANSPORT_MAY_IMPORT = (
+    "blocks.transport",
+    "blocks.http",
+    "blocks.errors",
+    "blocks.fields",
+    "blocks.timing",
+    "blocks._sync",
+    "blocks._common",
+)
 """The transport layer stands under every block: it imports itself and the shared vocabulary only."""
 
 

@@ -31,9 +31,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from blocks._common import Headers
 from blocks.routing import MirrorSetting
-
-Headers = list[tuple[bytes, bytes]]
 
 _SPAN = float(2**64)
 

@@ -57,14 +57,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from blocks._common import finite
+
 if TYPE_CHECKING:
     from blocks.http import Request
     from blocks.routing import Policy, Replica
-
-
-def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, not {value!r}")
 
 
 # -- the load document ----------------------------------------------------------------------
@@ -161,9 +158,9 @@ class ProberConfig:
       falls back to local counts; at least ``interval``.
     """
 
-    interval: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
-    timeout: float = attrs.field(default=0.5, validator=[attrs.validators.gt(0), _finite])
-    stale_after: float = attrs.field(default=5.0, validator=[attrs.validators.gt(0), _finite])
+    interval: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
+    timeout: float = attrs.field(default=0.5, validator=[attrs.validators.gt(0), finite])
+    stale_after: float = attrs.field(default=5.0, validator=[attrs.validators.gt(0), finite])
 
     def __attrs_post_init__(self) -> None:
         if self.timeout > self.interval:
@@ -437,9 +434,9 @@ class AutoscaleConfig:
       the target does not flap.
     """
 
-    target_concurrency: float = attrs.field(validator=[attrs.validators.gt(0.0), _finite])
-    up_window: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), _finite])
-    down_window: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), _finite, _up_to_down])
+    target_concurrency: float = attrs.field(validator=[attrs.validators.gt(0.0), finite])
+    up_window: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), finite])
+    down_window: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), finite, _up_to_down])
     hysteresis: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0), attrs.validators.lt(1)])
 
 

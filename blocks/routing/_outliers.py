@@ -13,12 +13,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from blocks._common import finite
 from blocks.routing._table import Replica
-
-
-def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, not {value!r}")
 
 
 def _not_below_base(instance: OutlierConfig, attribute: attrs.Attribute[float], value: float) -> None:
@@ -41,8 +37,8 @@ class OutlierConfig:
     """
 
     consecutive_failures: int = attrs.field(default=5, validator=attrs.validators.ge(1))
-    base_ejection: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), _finite])
-    max_ejection: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), _finite, _not_below_base])
+    base_ejection: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), finite])
+    max_ejection: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), finite, _not_below_base])
     max_ejected_share: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0), attrs.validators.le(1)])
 
 

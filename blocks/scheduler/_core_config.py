@@ -14,22 +14,18 @@ sans-IO: no trio, no clock.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import attrs
 
+from blocks._common import finite
+
 if TYPE_CHECKING:
     pass
 
 # -- configuration --------------------------------------------------------------------------
-
-
-def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, not {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -48,12 +44,12 @@ class TenantPolicy:
     - ``retry_after``: seconds to put in ``retry-after`` on a rejection.
     """
 
-    weight: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
+    weight: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
     max_in_flight: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
     max_queued: int = attrs.field(default=100, validator=attrs.validators.ge(0))
-    queue_timeout: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
+    queue_timeout: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
     priority: int = 0
-    retry_after: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0), _finite])
+    retry_after: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0), finite])
 
 
 def _read_only(tenants: Mapping[str, TenantPolicy]) -> Mapping[str, TenantPolicy]:
@@ -86,7 +82,7 @@ class SchedulerConfig:
             value_validator=attrs.validators.instance_of(TenantPolicy),
         ),
     )
-    quantum: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), _finite])
+    quantum: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
     max_tenants: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
     wait_samples: int = attrs.field(default=256, validator=attrs.validators.ge(1))
 

@@ -48,15 +48,11 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
+from blocks._common import finite
 from blocks.errors import QueueFull, QueueTimeout
 
 if TYPE_CHECKING:
     from blocks.routing import Replica
-
-
-def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, not {value!r}")
 
 
 def _apps(value: Iterable[str]) -> frozenset[str]:
@@ -101,11 +97,11 @@ class SessionConfig:
     """
 
     apps: frozenset[str] = attrs.field(converter=_apps)
-    ttl: float = attrs.field(default=3600.0, validator=[attrs.validators.gt(0), _finite])
+    ttl: float = attrs.field(default=3600.0, validator=[attrs.validators.gt(0), finite])
     max_per_replica: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     queue_size: int = attrs.field(default=64, validator=attrs.validators.ge(0))
-    queue_timeout: float = attrs.field(default=10.0, validator=[attrs.validators.ge(0), _finite])
-    retry_after: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0), _finite])
+    queue_timeout: float = attrs.field(default=10.0, validator=[attrs.validators.ge(0), finite])
+    retry_after: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0), finite])
     header: bytes = attrs.field(default=b"proxyblocks-session", converter=_lower_bytes)
     cookie: bytes | None = attrs.field(default=b"proxyblocks-session", converter=_optional_bytes)
     set_cookie: bool = True

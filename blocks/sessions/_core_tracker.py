@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from blocks.sessions._core import _finite
+from blocks._common import finite
 
 
 @attrs.frozen(kw_only=True)
@@ -35,7 +35,7 @@ class WorkerSessionConfig:
       whatever the replicas' own limits).
     """
 
-    idle_timeout: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), _finite])
+    idle_timeout: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), finite])
     max_sessions: int = attrs.field(default=100_000, validator=attrs.validators.ge(1))
 
 

@@ -23,7 +23,6 @@ never on the request path: a request reads the cache, never the source.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,15 +30,11 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from blocks._common import finite
 from blocks._sync import one_error
 from blocks.errors import Compacted, SourceUnavailable
 from blocks.routing import RouteCache
 from blocks.sources._base import Progress, RouteSource
-
-
-def _positive_finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{attribute.name} must be > 0 and finite, got {value!r}")
 
 
 def _not_below_min(instance: ReconcileConfig, attribute: attrs.Attribute[float], value: float) -> None:
@@ -58,8 +53,8 @@ class ReconcileConfig:
     watch delivers something.
     """
 
-    min_backoff: float = attrs.field(default=0.1, validator=_positive_finite)
-    max_backoff: float = attrs.field(default=5.0, validator=[_positive_finite, _not_below_min])
+    min_backoff: float = attrs.field(default=0.1, validator=[attrs.validators.gt(0), finite])
+    max_backoff: float = attrs.field(default=5.0, validator=[attrs.validators.gt(0), finite, _not_below_min])
     jitter: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
 
     def backoff(self, failures: int, rng: random.Random) -> float:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 
 import attrs
 
+from blocks._common import finite
 from blocks.errors import InvalidToken
 from blocks.tokens._format import DEFAULT_MAX_SIZE, KINDS, VERSION, TokenClaims, TokenKind, TokenReason, decode_claims
 from blocks.tokens._keys import Compiled, Keyring
 
 log = logging.getLogger("blocks.tokens")
-
-
-def _finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, not {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -32,7 +27,7 @@ class TokenVerifierConfig:
     """
 
     max_size: int = attrs.field(default=DEFAULT_MAX_SIZE, validator=attrs.validators.ge(64))
-    clock_skew: float = attrs.field(default=30.0, validator=[attrs.validators.ge(0), _finite])
+    clock_skew: float = attrs.field(default=30.0, validator=[attrs.validators.ge(0), finite])
     cache_size: int = attrs.field(default=10_000, validator=attrs.validators.ge(0))
 
 

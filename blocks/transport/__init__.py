@@ -11,9 +11,12 @@
   keep-alive h1 connections to upstream addresses.
 
 What it may import besides itself: the shared vocabulary of every layer,
-:mod:`blocks.http` (requests, responses, bodies), :mod:`blocks.errors` and
-:mod:`blocks.timing` (the phases a request carries).
+:mod:`blocks.http` (requests, responses, bodies), :mod:`blocks.errors`,
+:mod:`blocks.fields` (the hops' own fields) and :mod:`blocks.timing` (the
+phases a request carries). Its stream-level pieces (the h2 driver, splices,
+taps, upgrades) are public in :mod:`blocks.transport.streams`.
 """
 
-Address = tuple[str, int]
-"""A host and a port."""
+from blocks._common import Address as Address
+
+__all__ = ["Address"]
