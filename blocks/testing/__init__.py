@@ -1,0 +1,27 @@
+"""Demo apps and test helpers: what recipes, tests and benchmarks put behind a chain.
+
+Not for production: a self-signed certificate, the demo replica app
+(:class:`DemoApp`, :func:`serve_demo_replica`, :func:`websocket_echo`) and
+the chat rooms app (:class:`ChatApp`). A proxy author's API is ``blocks``.
+"""
+
+from blocks.testing._chat import HISTORY, MAX_MESSAGE, MAX_ROOMS, OUTBOX, PAGE, ChatApp, Room
+from blocks.testing._demo import DemoApp, serve_demo_replica, websocket_echo
+from blocks.testing._tls import make_self_signed
+
+__all__ = [
+    # the demo replica
+    "DemoApp",
+    "serve_demo_replica",
+    "websocket_echo",
+    # the chat rooms app
+    "HISTORY",
+    "MAX_MESSAGE",
+    "MAX_ROOMS",
+    "OUTBOX",
+    "PAGE",
+    "ChatApp",
+    "Room",
+    # TLS
+    "make_self_signed",
+]
