@@ -250,6 +250,10 @@ class Chain:
         rest = [self._proxy[0]] if self._proxy is not None else []
         for server in (*rest, *(server for server, _ in self.workers), *self.replicas.values()):
             await server.aclose(1.0)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stop everything the chain runs at once, without a drain (its nursery is cancelled)."""
         self._nursery.cancel_scope.cancel()
 
 

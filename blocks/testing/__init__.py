@@ -1,12 +1,14 @@
 """Demo apps and test helpers: what recipes, tests and benchmarks put behind a chain.
 
 Not for production: a self-signed certificate, the demo replica app
-(:class:`DemoApp`, :func:`serve_demo_replica`, :func:`websocket_echo`) and
-the chat rooms app (:class:`ChatApp`). A proxy author's API is ``blocks``.
+(:class:`DemoApp`, :func:`serve_demo_replica`, :func:`websocket_echo`), the
+chat rooms app (:class:`ChatApp`) and a tenant load generator
+(:class:`TenantLoad`, :func:`flood`, :func:`steady`). A proxy author's API is ``blocks``.
 """
 
 from blocks.testing._chat import HISTORY, MAX_MESSAGE, MAX_ROOMS, OUTBOX, PAGE, ChatApp, Room
 from blocks.testing._demo import DemoApp, serve_demo_replica, websocket_echo
+from blocks.testing._load import SLEEP_20MS, TenantLoad, flood, steady, tenant_request
 from blocks.testing._tls import make_self_signed
 
 __all__ = [
@@ -22,6 +24,12 @@ __all__ = [
     "PAGE",
     "ChatApp",
     "Room",
+    # a tenant load generator
+    "SLEEP_20MS",
+    "TenantLoad",
+    "flood",
+    "steady",
+    "tenant_request",
     # TLS
     "make_self_signed",
 ]
