@@ -2,13 +2,15 @@
 
 Not for production: a self-signed certificate, the demo replica app
 (:class:`DemoApp`, :func:`serve_demo_replica`, :func:`websocket_echo`), the
-chat rooms app (:class:`ChatApp`) and a tenant load generator
+chat rooms app (:class:`ChatApp`), the shop app in two builds
+(:func:`shop_app`) and a tenant load generator
 (:class:`TenantLoad`, :func:`flood`, :func:`steady`). A proxy author's API is ``blocks``.
 """
 
 from blocks.testing._chat import HISTORY, MAX_MESSAGE, MAX_ROOMS, OUTBOX, PAGE, ChatApp, Room
 from blocks.testing._demo import DemoApp, serve_demo_replica, websocket_echo
 from blocks.testing._load import SLEEP_20MS, TenantLoad, flood, steady, tenant_request
+from blocks.testing._shop import SHOP_PATHS, send_shop_traffic, shop_app
 from blocks.testing._tls import make_self_signed
 
 __all__ = [
@@ -30,6 +32,10 @@ __all__ = [
     "flood",
     "steady",
     "tenant_request",
+    # the shop app, two builds for a mirror to compare
+    "SHOP_PATHS",
+    "send_shop_traffic",
+    "shop_app",
     # TLS
     "make_self_signed",
 ]
