@@ -43,7 +43,7 @@ from blocks.routing import (
     route_key_for_replica,
     route_key_for_settings,
 )
-from blocks.sources import EmbeddedStore, reconcile
+from blocks.sources import EmbeddedStore, RouteSource, reconcile
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.transport.listener import HTTPServer
 from blocks.transport.tls import server_context
@@ -191,6 +191,11 @@ class Chain:
             self.store.transact(route_records(app, replicas, worker=address, domains=domains, settings=settings))
         return started
 
+    async def start(self, serve: Callable[..., Awaitable[object]], *args: object) -> Any:
+        """Start another service in the chain's nursery (``nursery.start``: ``serve`` takes
+        ``task_status``); return what it reports. It stops with the chain, after its parts drained."""
+        return await self._nursery.start(serve, *args)
+
     def follow_route_file(self, path: Path) -> None:
         """Load a route file (TOML or JSON, docs/sources.md) into the store now, and reload it as it changes.
 
@@ -199,14 +204,17 @@ class Chain:
         self.store.load_file(path)
         self._nursery.start_soon(self.store.watch_file, path)
 
-    async def start_proxy(self, **options: Any) -> tuple[HTTPServer, Proxy]:
-        """Keep :attr:`cache` equal to :attr:`store` (from now on), then start the proxy routing from it.
+    async def start_proxy(self, *, source: RouteSource | None = None, **options: Any) -> tuple[HTTPServer, Proxy]:
+        """Keep :attr:`cache` equal to ``source`` (default: :attr:`store`), then start the proxy routing from it.
 
-        Returns once the cache holds the store's records and the proxy
-        listens. ``options`` go to :func:`~blocks.serve_proxy` (``scheduler``,
+        Returns once the cache holds the source's first snapshot and the
+        proxy listens; from then on the cache follows the source's changes
+        (:func:`~blocks.reconcile`). ``source`` is any :class:`RouteSource`
+        (an :class:`EtcdSource` shared by several proxies, say). ``options``
+        go to :func:`~blocks.serve_proxy` (``port``, ``scheduler``,
         ``upstream``, ``policy``, ``sessions``, ``mirror``...).
         """
-        await self._nursery.start(reconcile, self.store, self.cache)
+        await self._nursery.start(reconcile, source or self.store, self.cache)
         self._proxy = await self._nursery.start(functools.partial(serve_proxy, self.cache, host=self.host, **options))
         return self._proxy
 
@@ -239,17 +247,18 @@ class Chain:
     async def shutdown(self, grace: float = 10.0) -> None:
         """Drain front to back, then stop everything the chain runs.
 
-        The edge drains first: it stops accepting, h2 clients get GOAWAY, h1
+        The front-most part started (the edge, else the proxy, else the
+        workers) drains first: it stops accepting, h2 clients get GOAWAY, h1
         clients ``connection: close``, and requests in flight get up to
-        ``grace`` seconds. Then the proxy, the workers and the replicas
-        close, each with a 1-second grace (they are idle by then), and the
-        chain's nursery is cancelled. Parts not started are skipped.
+        ``grace`` seconds. The parts behind it then close one after the
+        other, each with a 1-second grace (they are idle by then), and the
+        chain's nursery is cancelled.
         """
-        if self._edge is not None:
-            await self._edge.aclose(grace)
-        rest = [self._proxy[0]] if self._proxy is not None else []
-        for server in (*rest, *(server for server, _ in self.workers), *self.replicas.values()):
-            await server.aclose(1.0)
+        servers = [self._edge] if self._edge is not None else []
+        servers += [self._proxy[0]] if self._proxy is not None else []
+        servers += [server for server, _ in self.workers] + list(self.replicas.values())
+        for i, server in enumerate(servers):
+            await server.aclose(grace if i == 0 else 1.0)
         self.cancel()
 
     def cancel(self) -> None:
