@@ -35,51 +35,40 @@ def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None)
     sys.path.insert(0, str(ROOT))
     import trio
 
-    import blocks
+    import blocks.testing
 
     server: Any
     if role == "replica":
         # A reference hop opens one upstream connection and cannot reopen it: keep it
         # open however long the rounds leave it idle.
         config = blocks.ListenerConfig(h2_idle_timeout=86400.0)
-        server = functools.partial(blocks.serve_demo_replica, "r0", host=HOST, port=port, config=config)
-    elif role == "worker":
-        (replica,) = upstream
-        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
-        server = functools.partial(blocks.serve_worker, replicas, host=HOST, port=port)
-    elif role == "proxy":
-        worker, replica = upstream
-        routes = blocks.RouteTable.build(
-            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker), address=(HOST, replica))]}
-        )
-        server = functools.partial(blocks.serve_proxy, routes, host=HOST, port=port, scheduler=scheduler)
-    elif role == "edge":
-        (proxy,) = upstream
-        server = functools.partial(blocks.serve_edge, blocks.EdgeConfig(proxy=(HOST, proxy)), host=HOST, port=port)
-    elif role == "chain":
-        (replica,) = upstream
-        server = functools.partial(_serve_chain, port, replica)
+        server = functools.partial(blocks.testing.serve_demo_replica, "r0", host=HOST, port=port, config=config)
+    elif role in ("worker", "proxy", "edge", "chain"):
+        server = functools.partial(_serve_part, role, port, upstream, scheduler)
     else:
         raise SystemExit(f"unknown role {role!r}")
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(server)
 
 
-async def _serve_chain(port: int, replica: int) -> None:
-    """Edge, proxy and worker in this one process, as ``recipes/chain.py`` runs them, before ``replica``."""
+async def _serve_part(role: str, port: int, upstream: list[int], scheduler: Any) -> None:
+    """One part of a chain on ``port``, or edge, proxy and worker in one process (``chain``), built with
+    the topology kit as ``recipes/chain.py`` builds them, in front of replica ``r0``."""
     import trio
 
     import blocks
 
-    async with trio.open_nursery() as nursery:
-        replicas = {"r0": blocks.LocalReplica((HOST, replica), "h2")}
-        worker, _ = await nursery.start(functools.partial(blocks.serve_worker, replicas, host=HOST))
-        routes = blocks.RouteTable.build(
-            {"*": "demo"}, {"demo": [blocks.Replica(name="r0", worker=(HOST, worker.port), address=(HOST, replica))]}
-        )
-        proxy, _ = await nursery.start(functools.partial(blocks.serve_proxy, routes, host=HOST))
-        config = blocks.EdgeConfig(proxy=(HOST, proxy.port))
-        await nursery.start(functools.partial(blocks.serve_edge, config, host=HOST, port=port))
+    async with blocks.open_chain(host=HOST) as chain:
+        replicas = {"r0": blocks.LocalReplica((HOST, upstream[-1]), "h2")}
+        if role in ("worker", "chain"):
+            await chain.start_worker(replicas, port=port if role == "worker" else 0)
+        if role == "proxy":
+            chain.store.transact(blocks.route_records("demo", replicas, worker=(HOST, upstream[0]), domains=["*"]))
+        if role in ("proxy", "chain"):
+            await chain.start_proxy(port=port if role == "proxy" else 0, scheduler=scheduler)
+        if role in ("edge", "chain"):
+            await chain.start_edge(port=port, proxy=(HOST, upstream[0]) if role == "edge" else None)
+        await trio.sleep_forever()
 
 
 def free_port() -> int:

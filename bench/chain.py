@@ -2,7 +2,7 @@
 
 What it measures, all over h2c on 127.0.0.1, every server a separate OS process:
 
-    replica direct            the demo replica (blocks.serve_demo_replica) alone
+    replica direct            the demo replica (blocks.testing.serve_demo_replica) alone
     proxyblocks 1 hop         one worker hop in front of that replica
     proxyblocks chain         edge -> proxy -> worker -> replica, the three hops in one
                               process as recipes/chain.py runs them (h2c between them all the same)

@@ -234,19 +234,20 @@ def serve(role: str, port: int, upstream: list[int], scheduler_name: str) -> Non
 
 
 def generate_flood(edge_port: int, seconds: float, flood_concurrency: int) -> dict[str, Any]:
-    """A's flood (``recipes.noisy_neighbour.flood``) for ``seconds``, from a client process of its own; A's statuses."""
+    """A's flood (``blocks.testing.flood``) for ``seconds``, from a client process of its own; A's statuses."""
     _import_project()
     import trio
 
     from blocks import open_upstreams
-    from recipes.noisy_neighbour import PATH, TenantLoad, flood, one_request
+    from blocks.testing import SLEEP_20MS as PATH
+    from blocks.testing import TenantLoad, flood, tenant_request
 
     edge = (HOST, edge_port)
     noisy = TenantLoad("noisy")
 
     async def run() -> None:
         async with open_upstreams() as upstreams:
-            await one_request(upstreams, edge, TenantLoad("noisy"), PATH)  # untimed: opens the connections
+            await tenant_request(upstreams, edge, TenantLoad("noisy"), PATH)  # untimed: opens the connections
             with trio.move_on_after(seconds):
                 await flood(upstreams, edge, noisy, flood_concurrency)
 
@@ -267,7 +268,8 @@ def generate_quiet(edge_port: int, seconds: float, rate: float, settle: float) -
     import trio
 
     from blocks import BlocksError, Request, open_upstreams, parse_server_timing
-    from recipes.noisy_neighbour import PATH, TenantLoad, one_request
+    from blocks.testing import SLEEP_20MS as PATH
+    from blocks.testing import TenantLoad, tenant_request
 
     edge = (HOST, edge_port)
     quiet = TenantLoad("quiet")
@@ -295,7 +297,7 @@ def generate_quiet(edge_port: int, seconds: float, rate: float, settle: float) -
                     phases.append({**parse_server_timing(timing), "client": elapsed * 1000})
 
             # Untimed, uncounted: opens the client's connection to the edge and the chain's own.
-            await one_request(upstreams, edge, TenantLoad("quiet"), PATH)
+            await tenant_request(upstreams, edge, TenantLoad("quiet"), PATH)
             await trio.sleep(settle)
             # B's last requests are waited for (not cancelled), so every one of them gets a status.
             async with trio.open_nursery() as quiet_nursery:

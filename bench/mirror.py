@@ -206,7 +206,7 @@ def _log_figures(proc: Process) -> tuple[str, int]:
 def nghttpd_argv(port: int, htdocs: Path) -> list[str]:
     """nghttpd on h2c ``port``, answering ``GET /`` as the demo replica does (body and content type)."""
     htdocs.mkdir()
-    (htdocs / "index.html").write_bytes(b"hello from r0\n")  # the demo replica r0's answer (blocks/demo.py)
+    (htdocs / "index.html").write_bytes(b"hello from r0\n")  # the demo replica r0's answer (blocks/testing/_demo.py)
     mime_types = htdocs.parent / "mime.types"
     mime_types.write_text("text/plain html\n")
     return ["nghttpd", "--no-tls", f"--htdocs={htdocs}", f"--mime-types-file={mime_types}", str(port)]

@@ -1,6 +1,5 @@
 """proxyblocks: composable reverse-proxy building blocks on Trio."""
 
-from blocks.demo import DemoApp, serve_demo_replica, websocket_echo
 from blocks.errors import (
     BadRequest,
     BlocksError,
@@ -173,6 +172,16 @@ from blocks.tokens import (
     TokenVerifierConfig,
     TokenVerifierStatistics,
 )
+from blocks.topology import (
+    BuildChain,
+    Chain,
+    Drainable,
+    ServeReplica,
+    open_chain,
+    route_records,
+    run_until_signal,
+    serve_chain,
+)
 from blocks.transport.listener import HTTPServer, ListenerConfig, ServerStatistics, serve_http
 from blocks.transport.multiplexer import PoolStatistics, UpstreamConfig, Upstreams, open_upstreams
 from blocks.transport.streams import (
@@ -186,7 +195,7 @@ from blocks.transport.streams import (
     Sink,
     Tee,
 )
-from blocks.transport.tls import make_self_signed, server_context
+from blocks.transport.tls import server_context
 from blocks.websocket import (
     WebSocketApp,
     WebSocketConfig,
@@ -338,12 +347,8 @@ __all__ = [
     "Timing",
     "add_server_timing",
     "parse_server_timing",
-    # TLS and demo
-    "DemoApp",
-    "make_self_signed",
-    "serve_demo_replica",
+    # TLS
     "server_context",
-    "websocket_echo",
     # WebSockets
     "WebSocketApp",
     "WebSocketConfig",
@@ -387,6 +392,15 @@ __all__ = [
     "TrackerStatistics",
     "WorkerSessionConfig",
     "open_sessions",
+    # topology kit (recipes, tests, benchmarks)
+    "BuildChain",
+    "Chain",
+    "Drainable",
+    "ServeReplica",
+    "open_chain",
+    "route_records",
+    "run_until_signal",
+    "serve_chain",
     # tokens
     "InvalidToken",
     "Keyring",

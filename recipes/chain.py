@@ -22,44 +22,20 @@ edit it while the chain runs and the proxy routes by the new version.
 
 Ctrl-C (or SIGTERM) drains: the edge stops accepting, h2 clients get GOAWAY,
 requests in flight finish within --grace seconds, and the process exits 0.
+A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import signal
-import tempfile
 from pathlib import Path
 
-import attrs
 import trio
 
-from blocks import (
-    EdgeConfig,
-    EmbeddedStore,
-    HTTPServer,
-    LocalReplica,
-    Proxy,
-    RouteCache,
-    SchedulerConfig,
-    TenantPolicy,
-    UpstreamConfig,
-    Worker,
-    encode_domain,
-    encode_replica,
-    make_self_signed,
-    reconcile,
-    route_key_for_domain,
-    route_key_for_replica,
-    serve_demo_replica,
-    serve_edge,
-    serve_proxy,
-    serve_worker,
-    server_context,
-)
+from blocks import Chain, SchedulerConfig, TenantPolicy, UpstreamConfig, run_until_signal, serve_chain
 
-HOST = "127.0.0.1"
+__all__ = ["FAIR", "Chain", "main"]
 
 FAIR = SchedulerConfig(
     budget=512,
@@ -68,34 +44,6 @@ FAIR = SchedulerConfig(
 """The chain's fair scheduler: the proxy -> worker pool's 512 stream slots
 (8 connections x 64), at most half to one tenant (the ``x-tenant`` header),
 up to 512 waiting per tenant for 5 s."""
-
-
-@attrs.define(eq=False)
-class Chain:
-    """A running chain, as ``main`` reports it to ``task_status``."""
-
-    edge: HTTPServer
-    proxy_server: HTTPServer
-    proxy: Proxy
-    worker_server: HTTPServer
-    worker: Worker
-    replicas: list[HTTPServer]
-    cert: Path | None
-    store: EmbeddedStore
-    routes: RouteCache
-    _cancel: trio.CancelScope
-
-    @property
-    def url(self) -> str:
-        host = "localhost" if self.cert is not None else HOST
-        return f"{self.edge.scheme}://{host}:{self.edge.port}"
-
-    async def shutdown(self, grace: float = 10.0) -> None:
-        """Drain front to back, then stop everything."""
-        await self.edge.aclose(grace)
-        for server in (self.proxy_server, self.worker_server, *self.replicas):
-            await server.aclose(1.0)
-        self._cancel.cancel()
 
 
 async def main(
@@ -111,94 +59,29 @@ async def main(
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the chain; report a :class:`Chain` once the edge takes traffic; run until shut down.
+    """Start the chain; report a :class:`~blocks.Chain` once the edge takes traffic; run until shut down.
 
-    The proxy routes from a :class:`RouteCache` that follows an
-    :class:`EmbeddedStore` holding ``* -> demo -> every replica`` (and, with
-    ``routes_file``, that file's routes, reloaded when it changes). With
-    ``announce`` (the default) it prints ``edge listening on URL`` then.
+    The proxy routes from a route cache that follows the chain's embedded
+    store, holding ``* -> demo -> every replica`` (or, with ``routes_file``,
+    that file's routes, reloaded when it changes). With ``announce`` (the
+    default) it prints ``edge listening on URL`` then.
     """
     if replicas < 1:
         raise ValueError("--replicas must be at least 1")
-    async with trio.open_nursery() as nursery:
-        servers = []
-        local: dict[str, LocalReplica] = {}
-        for i in range(replicas):
-            name = f"replica-{i}"
-            server = await nursery.start(serve_demo_replica, name)
-            servers.append(server)
-            local[name] = LocalReplica((HOST, server.port), replica_protocol)
-        worker_server, worker = await nursery.start(
-            functools.partial(serve_worker, local, upstream=UpstreamConfig(response_timeout=replica_timeout))
-        )
-        worker_address = (HOST, worker_server.port)
-        store = EmbeddedStore()
+
+    async def build(chain: Chain) -> None:
+        names = [f"replica-{i}" for i in range(replicas)]
+        local = {name: await chain.start_replica(name, protocol=replica_protocol) for name in names}
+        upstream = UpstreamConfig(response_timeout=replica_timeout)
+        await chain.start_worker(local, app=None if routes_file else "demo", upstream=upstream)
         if routes_file is not None:
-            store.load_file(routes_file)
-            nursery.start_soon(store.watch_file, routes_file)
-        else:
-            store.transact(
-                {
-                    route_key_for_domain("*"): encode_domain("demo"),
-                    **{
-                        route_key_for_replica("demo", n): encode_replica(
-                            worker=worker_address, address=r.address, protocol=r.protocol
-                        )
-                        for n, r in local.items()
-                    },
-                }
-            )
-        routes = RouteCache()
-        await nursery.start(reconcile, store, routes)
+            chain.follow_route_file(routes_file)
         # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
-        inner = UpstreamConfig(response_timeout=replica_timeout + 5)
-        proxy_server, proxy = await nursery.start(
-            functools.partial(serve_proxy, routes, upstream=inner, scheduler=scheduler)
-        )
-        cert = None
-        context = None
-        if tls:
-            cert, key = make_self_signed(cert_dir or Path(tempfile.mkdtemp(prefix="proxyblocks-")))
-            context = server_context(cert, key)
-        edge = await nursery.start(
-            functools.partial(
-                serve_edge,
-                EdgeConfig(proxy=(HOST, proxy_server.port)),
-                port=port,
-                ssl_context=context,
-                upstream=UpstreamConfig(response_timeout=replica_timeout + 10),
-            )
-        )
-        chain = Chain(
-            edge, proxy_server, proxy, worker_server, worker, servers, cert, store, routes, nursery.cancel_scope
-        )
-        if announce:
-            print(f"edge listening on {edge.scheme}://{HOST}:{edge.port}", flush=True)
-            if cert is not None:
-                print(f"certificate: {cert}  (curl --cacert {cert} {chain.url}/)", flush=True)
-        task_status.started(chain)
+        await chain.start_proxy(scheduler=scheduler, upstream=UpstreamConfig(response_timeout=replica_timeout + 5))
+        upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
+        await chain.start_edge(port=port, tls=tls, cert_dir=cert_dir, upstream=upstream)
 
-
-async def _run(args: argparse.Namespace) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            chain: Chain = await nursery.start(
-                functools.partial(
-                    main,
-                    port=args.port,
-                    replicas=args.replicas,
-                    tls=args.tls,
-                    replica_protocol=args.replica_protocol,
-                    replica_timeout=args.replica_timeout,
-                    scheduler=None if args.no_scheduler else FAIR,
-                    routes_file=args.routes,
-                )
-            )
-            async for _ in signals:
-                break
-            print("draining...", flush=True)
-            await chain.shutdown(args.grace)
-    print("stopped", flush=True)
+    await serve_chain(build, announce=announce, task_status=task_status)
 
 
 def run() -> None:
@@ -213,7 +96,18 @@ def run() -> None:
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get on shutdown")
     parser.add_argument("--routes", type=Path, help="a TOML or JSON route file to load and follow (docs/sources.md)")
-    trio.run(_run, parser.parse_args())
+    args = parser.parse_args()
+    start = functools.partial(
+        main,
+        port=args.port,
+        replicas=args.replicas,
+        tls=args.tls,
+        replica_protocol=args.replica_protocol,
+        replica_timeout=args.replica_timeout,
+        scheduler=None if args.no_scheduler else FAIR,
+        routes_file=args.routes,
+    )
+    run_until_signal(start, grace=args.grace)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ It prints the etcd URL and each proxy's URL and PID. Poke it:
     python -m blocks.routectl --etcd ETCD_URL list
     kill -9 PID_A; curl -H 'host: demo.example' http://127.0.0.1:PORT_B/   # B keeps serving
 
-Ctrl-C (or SIGTERM) stops the proxies, then the rest. ``--role proxy`` is
-how this script starts each proxy process; it is not meant to be run by hand
-(though it can be, pointed at any etcd holding routes).
+Ctrl-C (or SIGTERM) stops the proxies (each drains), then the rest; a second
+Ctrl-C stops at once. ``--role proxy`` is how this script starts each proxy
+process; it is not meant to be run by hand (though it can be, pointed at any
+etcd holding routes).
 """
 
 from __future__ import annotations
@@ -34,196 +35,55 @@ import argparse
 import functools
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
+from typing import NamedTuple
 
 import attrs
 import trio
+from trio import TaskStatus
 
-from blocks import (
-    HTTPServer,
-    LocalReplica,
-    encode_domain,
-    encode_replica,
-    route_key_for_domain,
-    route_key_for_replica,
-    serve_demo_replica,
-    serve_proxy,
-    serve_worker,
-)
-from blocks.sources import EtcdSource, SourceUnavailable, open_route_cache
+from blocks import Chain, EtcdSource, route_records, run_until_signal, serve_chain
+from blocks.testing import run_child_process, serve_etcd
 
-HOST = "127.0.0.1"
-PROGRESS_INTERVAL = 1.0
-"""The progress-notification interval of the etcd this recipe starts, in seconds: an idle
-watch hears from etcd that often, and one silent for three of them is reopened."""
+PROGRESS_INTERVAL = 1.0  # s: an idle watch hears from the etcd this starts that often; one silent for 3 is reopened
 
 
-NO_ETCD = "no etcd binary: `apt-get install etcd-server`, or pass --etcd URL"
-
-
-@attrs.define(eq=False)
-class ProxyProcess:
+class ProxyProcess(NamedTuple):
     name: str
-    port: int
+    url: str
     process: trio.Process
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
 
 @attrs.define(eq=False)
 class Fleet:
-    """A running fleet, as ``main`` reports it to ``task_status``."""
+    """A running fleet, as ``main`` reports it to ``task_status``: etcd, the proxies, the worker's chain."""
 
     etcd: str
     proxies: list[ProxyProcess]
-    worker: HTTPServer
-    replicas: list[HTTPServer]
-    _cancel: trio.CancelScope
+    chain: Chain
 
     def kill(self, name: str) -> None:
-        """SIGKILL one proxy process by PID, as a crash would."""
-        for proxy in self.proxies:
-            if proxy.name == name and proxy.process.returncode is None:
-                os.kill(proxy.pid, signal.SIGKILL)
+        """SIGKILL one proxy process, as a crash would."""
+        next(proxy for proxy in self.proxies if proxy.name == name).process.kill()
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Stop the proxies (SIGTERM: they drain), then the worker, the replicas and etcd."""
         for proxy in self.proxies:
-            if proxy.process.returncode is None:
-                proxy.process.terminate()
+            proxy.process.terminate()  # (nothing, if it has exited)
         with trio.move_on_after(grace + 2):
             for proxy in self.proxies:
                 await proxy.process.wait()
-        for server in (self.worker, *self.replicas):
-            await server.aclose(1.0)
-        self._cancel.cancel()
+        await self.chain.shutdown(1.0)
 
 
-# -- etcd, when the recipe runs its own ----------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-async def serve_etcd(data_dir: Path, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Run one etcd member on loopback until cancelled; report its client URL once it answers."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        raise RuntimeError(NO_ETCD)
-    client, peer = f"http://{HOST}:{_free_port()}", f"http://{HOST}:{_free_port()}"
-    command = [
-        binary,
-        "--name=fleet",
-        f"--data-dir={data_dir}",
-        f"--listen-client-urls={client}",
-        f"--advertise-client-urls={client}",
-        f"--listen-peer-urls={peer}",
-        f"--initial-advertise-peer-urls={peer}",
-        f"--initial-cluster=fleet={peer}",
-        f"--experimental-watch-progress-notify-interval={int(PROGRESS_INTERVAL * 1000)}ms",
-        "--log-level=error",
-        "--logger=zap",
-    ]
-    with (data_dir.parent / "etcd.log").open("ab") as log:
-        # Its own session, as for the proxies: Ctrl-C reaches this process only, which stops the
-        # children in order (proxies first, etcd last) rather than all at once.
-        process = await trio.lowlevel.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
-    try:
-        source = EtcdSource(client, request_timeout=1.0)
-        with trio.fail_after(20):
-            while True:
-                try:
-                    await source.snapshot()
-                    break
-                except SourceUnavailable:
-                    if process.poll() is not None:
-                        raise RuntimeError(f"etcd exited with {process.returncode}; see {log.name}") from None
-                    await trio.sleep(0.1)
-        task_status.started(client)
-        await process.wait()
-        raise RuntimeError(f"etcd exited with {process.returncode}; see {log.name}")
-    finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
-
-
-# -- the proxy processes --------------------------------------------------------------------------
-
-
-async def run_proxy_process(
-    name: str, etcd: str, progress_interval: float, *, task_status: trio.TaskStatus[ProxyProcess]
-) -> None:
-    """Start ``python -m recipes.fleet --role proxy``; report it once it listens; echo its output."""
-    command = [sys.executable, "-m", "recipes.fleet", "--role", "proxy", "--name", name, "--etcd", etcd]
-    command += ["--progress-interval", str(progress_interval)]
-    process = await trio.lowlevel.open_process(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True
-    )
-    assert process.stdout is not None
-    try:
-        buffer = b""
-        started = False
-        while True:
-            chunk = await process.stdout.receive_some(4096)
-            if not chunk:
-                break
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                text = line.decode(errors="replace")
-                if not started and text.startswith(f"proxy {name} listening on "):
-                    port = int(text.split()[4].rpartition(":")[2])
-                    task_status.started(ProxyProcess(name, port, process))
-                    started = True
-                print(f"[proxy {name}] {text}", flush=True)
-        await process.wait()
-        if not started:
-            raise RuntimeError(f"proxy {name} exited with {process.returncode} before it listened")
-    finally:
-        if process.returncode is None:
-            process.terminate()
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-
-
-async def serve_fleet_proxy(
-    etcd: str,
-    *,
-    name: str = "proxy",
-    port: int = 0,
-    progress_interval: float = 600.0,
-    task_status: trio.TaskStatus[HTTPServer] = trio.TASK_STATUS_IGNORED,
-) -> None:
+async def serve_fleet_proxy(etcd: str, name: str, port: int, every: float, *, task_status: TaskStatus[Chain]) -> None:
     """One proxy of the fleet (what ``--role proxy`` runs): routes from a cache that follows etcd."""
-    source = EtcdSource(etcd, progress_interval=progress_interval)
-    async with open_route_cache(source) as routes, trio.open_nursery() as nursery:
-        server, _ = await nursery.start(functools.partial(serve_proxy, routes.cache, port=port))
-        print(f"proxy {name} listening on http://{HOST}:{server.port} pid {os.getpid()}", flush=True)
-        task_status.started(server)
-        await trio.sleep_forever()
 
+    async def build(chain: Chain) -> None:
+        server, _ = await chain.start_proxy(source=EtcdSource(etcd, progress_interval=every), port=port)
+        print(f"proxy {name} listening on {server.scheme}://{chain.host}:{server.port} pid {os.getpid()}", flush=True)
 
-# -- the whole fleet ------------------------------------------------------------------------------
+    await serve_chain(build, task_status=task_status)
 
 
 async def main(
@@ -235,93 +95,39 @@ async def main(
     announce: bool = True,
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start etcd (unless given), the worker and replicas, the routes, then the proxy processes.
-
-    Reports a :class:`Fleet` once every proxy listens; runs until shut down.
-    """
+    """Start etcd (unless given), a worker and replicas, their routes, the proxies; report a :class:`Fleet`."""
     if not 1 <= proxies <= 26 or replicas < 1:
         raise ValueError("--proxies must be 1 to 26 and --replicas at least 1")
+    started: list[ProxyProcess] = []
+    interval = progress_interval or (600.0 if etcd else PROGRESS_INTERVAL)
+
+    async def build(chain: Chain) -> None:
+        nonlocal etcd
+        etcd = etcd or await chain.start(functools.partial(serve_etcd, progress_interval=interval))
+        local = {f"replica-{i}": await chain.start_replica(f"replica-{i}") for i in range(replicas)}
+        worker, _ = await chain.start_worker(local, app=None)  # the routes go to etcd, not to a proxy
+        records = route_records("demo", local, worker=(chain.host, worker.port), domains=["demo.example"])
+        for key, value in records.items():
+            await EtcdSource(etcd).put(key, value)
+        for name in "abcdefghijklmnopqrstuvwxyz"[:proxies]:
+            command = [sys.executable, "-m", "recipes.fleet", "--role", "proxy", "--name", name, "--etcd", etcd]
+            command += ["--progress-interval", str(interval)]
+            process, line = await chain.start(run_child_process, command, f"proxy {name} listening on ", name)
+            started.append(ProxyProcess(name, line.split()[4], process))
+
     async with trio.open_nursery() as nursery:
-        if etcd is None:
-            data_dir = Path(tempfile.mkdtemp(prefix="proxyblocks-fleet-")) / "etcd"
-            etcd = await nursery.start(serve_etcd, data_dir)
-            progress_interval = progress_interval or PROGRESS_INTERVAL
-        servers = []
-        local: dict[str, LocalReplica] = {}
-        for i in range(replicas):
-            server = await nursery.start(serve_demo_replica, f"replica-{i}")
-            servers.append(server)
-            local[f"replica-{i}"] = LocalReplica((HOST, server.port))
-        worker, _ = await nursery.start(serve_worker, local)
-
-        # The routes go to etcd, not to the proxies: they learn them from there.
-        writer = EtcdSource(etcd)
-        await writer.put(route_key_for_domain("demo.example"), encode_domain("demo"))
-        for name, replica in local.items():
-            value = encode_replica(worker=(HOST, worker.port), address=replica.address)
-            await writer.put(route_key_for_replica("demo", name), value)
-
-        started = []
-        for letter in "abcdefghijklmnopqrstuvwxyz"[:proxies]:
-            started.append(
-                await nursery.start(functools.partial(run_proxy_process, letter, etcd, progress_interval or 600.0))
-            )
-        fleet = Fleet(etcd, started, worker, servers, nursery.cancel_scope)
+        chain: Chain = await nursery.start(serve_chain, build)
+        assert etcd is not None
         if announce:
             print(f"etcd at {etcd}  (python -m blocks.routectl --etcd {etcd} list)", flush=True)
-            for proxy in started:
-                print(f"proxy {proxy.name}: {proxy.url}  pid {proxy.pid}", flush=True)
             print(f"try: curl -H 'host: demo.example' {started[0].url}/", flush=True)
-        task_status.started(fleet)
-
-
-async def _run(args: argparse.Namespace) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            if args.role == "proxy":
-                if args.etcd is None:
-                    raise SystemExit("--role proxy needs --etcd URL")
-                server: HTTPServer = await nursery.start(
-                    functools.partial(
-                        serve_fleet_proxy,
-                        args.etcd,
-                        name=args.name,
-                        port=args.port,
-                        progress_interval=args.progress_interval or 600.0,
-                    )
-                )
-                async for _ in signals:
-                    break
-                await server.aclose(args.grace)
-                nursery.cancel_scope.cancel()
-                return
-            fleet: Fleet = await nursery.start(
-                functools.partial(
-                    main,
-                    etcd=args.etcd,
-                    proxies=args.proxies,
-                    replicas=args.replicas,
-                    progress_interval=args.progress_interval,
-                )
-            )
-            async for _ in signals:
-                break
-            print("stopping...", flush=True)
-            await fleet.shutdown(args.grace)
-    if args.role == "fleet":
-        print("stopped", flush=True)
+        task_status.started(Fleet(etcd, started, chain))
 
 
 def run() -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.fleet", description=__doc__.splitlines()[0])
     parser.add_argument("--etcd", metavar="URL", help="use this etcd instead of starting one")
-    parser.add_argument(
-        "--progress-interval",
-        type=float,
-        default=None,
-        help="the etcd's --experimental-watch-progress-notify-interval in seconds "
-        f"(default: {PROGRESS_INTERVAL:g} for the etcd this starts, else etcd's default 600)",
-    )
+    parser.add_argument("--progress-interval", type=float, help="etcd progress notify interval, s (1, or etcd's 600)")
     parser.add_argument("--proxies", type=int, default=2, help="proxy processes (default: 2)")
     parser.add_argument("--replicas", type=int, default=2, help="demo replicas behind the worker (default: 2)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds requests in flight get on shutdown")
@@ -329,9 +135,15 @@ def run() -> None:
     parser.add_argument("--name", default="proxy", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.etcd is None and shutil.which("etcd") is None:
-        parser.error(NO_ETCD)
-    trio.run(_run, args)
+    if args.role == "proxy" and args.etcd is None:
+        parser.error("--role proxy needs --etcd URL")
+    if args.role == "fleet" and args.etcd is None and shutil.which("etcd") is None:
+        parser.error("no etcd binary: `apt-get install etcd-server`, or pass --etcd URL")
+    kwargs = {"etcd": args.etcd, "proxies": args.proxies, "replicas": args.replicas}
+    start = functools.partial(main, **kwargs, progress_interval=args.progress_interval)
+    if args.role == "proxy":  # one proxy, as main starts each
+        start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, args.progress_interval or 600.0)
+    run_until_signal(start, grace=args.grace)
 
 
 if __name__ == "__main__":

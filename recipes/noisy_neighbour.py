@@ -23,26 +23,13 @@ refused with 429 or 503) and ``quiet`` keeps its solo latency; without it,
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import math
 from collections.abc import Callable
-from time import perf_counter
 
-import attrs
 import trio
-import trio.lowlevel
 
-from blocks import (
-    BlocksError,
-    Request,
-    SchedulerConfig,
-    TenantPolicy,
-    Upstreams,
-    open_upstreams,
-)
-from recipes.chain import HOST, Chain
-from recipes.chain import main as chain_main
+from blocks import Address, Chain, SchedulerConfig, TenantPolicy, open_upstreams, serve_chain
+from blocks.testing import SLEEP_20MS, TenantLoad, flood, steady
 
 SCHEDULER = SchedulerConfig(
     budget=8,
@@ -60,76 +47,11 @@ client that retries a 429 at once, on the same machine, costs as much
 CPU as serving it.
 """
 
-PATH = b"/sleep?ms=20"
-
-
-@attrs.define(eq=False)
-class TenantLoad:
-    """What one tenant saw: a status per request (0: no response at all) and latencies of the 200s."""
-
-    name: str
-    statuses: collections.Counter[int] = attrs.field(factory=collections.Counter)
-    latencies: list[float] = attrs.field(factory=list)
-
-    def record(self, status: int, seconds: float) -> None:
-        self.statuses[status] += 1
-        if status == 200:
-            self.latencies.append(seconds)
-
-    def percentile(self, fraction: float) -> float:
-        """Latency of the 200s at ``fraction`` (nearest rank), in seconds; NaN if none."""
-        if not self.latencies:
-            return math.nan
-        ordered = sorted(self.latencies)
-        return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
-
-    def line(self) -> str:
-        statuses = " ".join(f"{code}:{n}" for code, n in sorted(self.statuses.items()))
-        return (
-            f"{self.name:>6}  {sum(self.statuses.values()):6d} requests  [{statuses}]  "
-            f"p50 {self.percentile(0.5) * 1000:7.1f} ms  p99 {self.percentile(0.99) * 1000:7.1f} ms"
-        )
-
-
-async def one_request(upstreams: Upstreams, edge: tuple[str, int], tenant: TenantLoad, path: bytes) -> None:
-    start = perf_counter()
-    try:
-        response = await upstreams.request(
-            edge, Request(b"GET", b"http", b"demo.local", path), [(b"x-tenant", tenant.name.encode())]
-        )
-        await response.body.read_all()
-        status = response.status
-    except BlocksError:
-        status = 0  # counted: the request got no response
-    tenant.record(status, perf_counter() - start)
-
-
-async def flood(upstreams: Upstreams, edge: tuple[str, int], tenant: TenantLoad, concurrency: int) -> None:
-    """Keep ``concurrency`` requests in flight, forever."""
-
-    async def loop() -> None:
-        while True:
-            await one_request(upstreams, edge, tenant, PATH)
-            if tenant.statuses[200] == 0:
-                await trio.lowlevel.checkpoint()
-
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(loop)
-
-
-async def steady(upstreams: Upstreams, edge: tuple[str, int], tenant: TenantLoad, rate: float) -> None:
-    """Start one request every ``1/rate`` seconds, however long each takes."""
-    async with trio.open_nursery() as nursery:
-        next_at = trio.current_time()
-        while True:
-            nursery.start_soon(one_request, upstreams, edge, tenant, PATH)
-            next_at += 1 / rate
-            await trio.sleep_until(next_at)
+PATH = SLEEP_20MS
 
 
 async def run_load(
-    edge: tuple[str, int],
+    edge: Address,
     *,
     seconds: float,
     flood_concurrency: int,
@@ -140,8 +62,8 @@ async def run_load(
     noisy, quiet = TenantLoad("noisy"), TenantLoad("quiet")
     async with open_upstreams() as upstreams, trio.open_nursery() as nursery:
         if flood_concurrency:
-            nursery.start_soon(flood, upstreams, edge, noisy, flood_concurrency)
-        nursery.start_soon(steady, upstreams, edge, quiet, rate)
+            nursery.start_soon(flood, upstreams, edge, noisy, flood_concurrency, PATH)
+        nursery.start_soon(steady, upstreams, edge, quiet, rate, PATH)
         end = trio.current_time() + seconds
         while trio.current_time() < end:
             await trio.sleep(min(1.0, end - trio.current_time()))
@@ -161,15 +83,19 @@ async def main(
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> tuple[TenantLoad, TenantLoad]:
     """Start the chain, run the load, shut the chain down; return ``(noisy, quiet)``."""
+
+    async def build(chain: Chain) -> None:
+        await chain.start_worker({name: await chain.start_replica(name) for name in ("replica-0", "replica-1")})
+        await chain.start_proxy(scheduler=scheduler)
+        await chain.start_edge()
+
     async with trio.open_nursery() as nursery:
-        chain: Chain = await nursery.start(
-            functools.partial(chain_main, scheduler=scheduler, announce=report is not None)
-        )
+        chain: Chain = await nursery.start(functools.partial(serve_chain, build, announce=report is not None))
         task_status.started(chain)
         if report is not None:
             report(f"edge listening on {chain.url}; scheduler {'on' if scheduler else 'off'}\n")
         result = await run_load(
-            (HOST, chain.edge.port), seconds=seconds, flood_concurrency=flood_concurrency, rate=rate, report=report
+            (chain.host, chain.port), seconds=seconds, flood_concurrency=flood_concurrency, rate=rate, report=report
         )
         if report is not None and scheduler is not None:
             stats = chain.proxy.scheduler.statistics() if chain.proxy.scheduler else None

@@ -1,4 +1,4 @@
-"""Test helpers: a raw HTTP/2 client, curl, and a chain assembled from blocks.
+"""Test helpers: a raw HTTP/2 client, curl, and chains assembled with the topology kit.
 
 The raw client exists because no high-level client does what some tests need:
 full-duplex streaming (httpx sends the whole request body before it reads),
@@ -27,27 +27,21 @@ import trio
 import trio_websocket
 
 from blocks import (
-    EdgeConfig,
+    Chain,
     H2ConnectionStatistics,
     HTTPServer,
     ListenerConfig,
     LocalReplica,
     Policy,
-    Proxy,
-    Replica,
     Request,
     Response,
     RouteCache,
     RouteEvent,
-    RouteTable,
     SchedulerConfig,
     UpstreamConfig,
-    Worker,
-    serve_demo_replica,
-    serve_edge,
+    route_records,
+    serve_chain,
     serve_http,
-    serve_proxy,
-    serve_worker,
     text_response,
 )
 from blocks._sync import one_error
@@ -320,22 +314,25 @@ def closed_port() -> int:
     return port
 
 
-@attrs.define
-class Assembled:
-    edge: HTTPServer
-    proxy_server: HTTPServer
-    proxy: Proxy
-    worker_server: HTTPServer
-    worker: Worker
-    replicas: dict[str, HTTPServer]
+def route_apps(
+    chain: Chain,
+    local: Mapping[str, LocalReplica],
+    app: str,
+    domains: Mapping[str, str] | None,
+    apps: Mapping[str, Sequence[str]] | None,
+) -> None:
+    """Write ``domains`` (domain -> app) and ``apps`` (app -> names in ``local``) behind the chain's first worker.
 
-    @property
-    def port(self) -> int:
-        return self.edge.port
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.edge.port}"
+    ``domains`` defaults to ``{"*": app}`` and ``apps`` to every replica under ``app``.
+    """
+    domains = domains if domains is not None else {"*": app}
+    apps = apps if apps is not None else {app: list(local)}
+    worker = (HOST, chain.worker_server.port)
+    records: dict[str, bytes] = {}
+    for app in {*apps, *domains.values()}:
+        named = {name: local[name] for name in apps.get(app, ())}
+        records |= route_records(app, named, worker=worker, domains=[d for d, a in domains.items() if a == app])
+    chain.store.transact(records)
 
 
 async def assemble(
@@ -347,37 +344,23 @@ async def assemble(
     apps: Mapping[str, Sequence[str]] | None = None,
     worker_upstream: UpstreamConfig | None = None,
     protocol: str = "h2",
-) -> Assembled:
+) -> Chain:
     """edge -> proxy -> one worker -> demo ``replicas`` (and ``dead`` ones on closed ports).
 
     ``domains`` defaults to ``{"*": "demo"}`` and ``apps`` to every replica,
     dead ones included, under ``demo``.
     """
-    servers: dict[str, HTTPServer] = {}
-    local: dict[str, LocalReplica] = {}
-    for name in replicas:
-        server = await nursery.start(serve_demo_replica, name)
-        servers[name] = server
-        local[name] = LocalReplica((HOST, server.port), protocol)
-    for name in dead:
-        local[name] = LocalReplica((HOST, closed_port()), protocol)
-    worker_server, worker = await nursery.start(functools.partial(serve_worker, local, upstream=worker_upstream))
-    worker_address = (HOST, worker_server.port)
-    if apps is None:
-        apps = {"demo": list(local)}
-    table = RouteTable.build(
-        domains if domains is not None else {"*": "demo"},
-        {
-            app: [
-                Replica(name=n, worker=worker_address, address=local[n].address, protocol=local[n].protocol)
-                for n in names
-            ]
-            for app, names in apps.items()
-        },
-    )
-    proxy_server, proxy = await nursery.start(serve_proxy, table)
-    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
-    return Assembled(edge, proxy_server, proxy, worker_server, worker, servers)
+
+    async def build(chain: Chain) -> None:
+        local = {name: await chain.start_replica(name, protocol=protocol) for name in replicas}
+        local |= {name: LocalReplica((HOST, closed_port()), protocol) for name in dead}
+        await chain.start_worker(local, app=None, upstream=worker_upstream)
+        route_apps(chain, local, "demo", domains, apps)
+        await chain.start_proxy()
+        await chain.start_edge()
+
+    chain: Chain = await nursery.start(serve_chain, build)
+    return chain
 
 
 async def raw_exchange(port: int, data: bytes) -> bytes:
@@ -435,24 +418,11 @@ async def assemble_local(
     worker_upstream: UpstreamConfig | None = None,
     proxy_upstream: UpstreamConfig | None = None,
     policy: Policy | None = None,
-) -> Assembled:
+) -> Chain:
     """edge -> proxy -> one worker -> the given replicas (any server, already running), all under ``*``."""
-    worker_server, worker = await nursery.start(functools.partial(serve_worker, local, upstream=worker_upstream))
-    worker_address = (HOST, worker_server.port)
-    table = RouteTable.build(
-        {"*": "app"},
-        {
-            "app": [
-                Replica(name=name, worker=worker_address, address=replica.address, protocol=replica.protocol)
-                for name, replica in local.items()
-            ]
-        },
+    return await assemble_fair(
+        nursery, local, scheduler=None, worker_upstream=worker_upstream, proxy_upstream=proxy_upstream, policy=policy
     )
-    proxy_server, proxy = await nursery.start(
-        functools.partial(serve_proxy, table, policy=policy, upstream=proxy_upstream)
-    )
-    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
-    return Assembled(edge, proxy_server, proxy, worker_server, worker, {})
 
 
 # -- fair scheduler helpers ------------------------------------------------------------------
@@ -523,30 +493,21 @@ async def assemble_fair(
     apps: Mapping[str, Sequence[str]] | None = None,
     worker_upstream: UpstreamConfig | None = None,
     proxy_upstream: UpstreamConfig | None = None,
-) -> Assembled:
+    policy: Policy | None = None,
+) -> Chain:
     """edge -> proxy (with ``scheduler``) -> one worker -> the given replicas (running or not).
 
     ``domains`` defaults to ``{"*": "app"}`` and ``apps`` to every replica under ``app``.
     """
-    worker_server, worker = await nursery.start(functools.partial(serve_worker, local, upstream=worker_upstream))
-    worker_address = (HOST, worker_server.port)
-    if apps is None:
-        apps = {"app": list(local)}
-    table = RouteTable.build(
-        domains if domains is not None else {"*": "app"},
-        {
-            app: [
-                Replica(name=n, worker=worker_address, address=local[n].address, protocol=local[n].protocol)
-                for n in names
-            ]
-            for app, names in apps.items()
-        },
-    )
-    proxy_server, proxy = await nursery.start(
-        functools.partial(serve_proxy, table, scheduler=scheduler, upstream=proxy_upstream)
-    )
-    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
-    return Assembled(edge, proxy_server, proxy, worker_server, worker, {})
+
+    async def build(chain: Chain) -> None:
+        await chain.start_worker(local, app=None, upstream=worker_upstream)
+        route_apps(chain, local, "app", domains, apps)
+        await chain.start_proxy(scheduler=scheduler, upstream=proxy_upstream, policy=policy)
+        await chain.start_edge()
+
+    chain: Chain = await nursery.start(serve_chain, build)
+    return chain
 
 
 async def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str] = "", *, timeout: float = 10.0) -> None:

@@ -41,7 +41,7 @@ ONE_MIB = 1024 * 1024
 
 def _servers(chain: chain_recipe.Chain) -> dict[str, HTTPServer]:
     servers = {"edge": chain.edge, "proxy": chain.proxy_server, "worker": chain.worker_server}
-    servers.update((f"replica-{i}", server) for i, server in enumerate(chain.replicas))
+    servers.update(chain.replicas)
     return servers
 
 

@@ -30,10 +30,10 @@ from blocks import (
     open_upstreams,
     route_key_for_domain,
     route_key_for_replica,
-    serve_demo_replica,
     serve_proxy,
     serve_worker,
 )
+from blocks.testing import serve_demo_replica
 
 WORKER = ("127.0.0.1", 1)
 

@@ -9,7 +9,10 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 import blocks
+import blocks.testing
 
 BLOCKS = Path(blocks.__file__).resolve().parent
 WHOLE = ["routing", "tokens"]
@@ -61,23 +64,34 @@ def test_the_sans_io_list_names_real_modules() -> None:
     assert len(names) == len(_sans_io_modules())
 
 
-def test_every_exported_name_exists() -> None:
-    missing = [name for name in blocks.__all__ if not hasattr(blocks, name)]
+NAMESPACES = [blocks, blocks.testing]
+"""The public namespaces: what a proxy author types (``blocks``), and the demo apps and test helpers."""
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_every_exported_name_exists(namespace: types.ModuleType) -> None:
+    missing = [name for name in namespace.__all__ if not hasattr(namespace, name)]
     assert missing == []
-    assert len(set(blocks.__all__)) == len(blocks.__all__), "a name is exported twice"
+    assert len(set(namespace.__all__)) == len(namespace.__all__), "a name is exported twice"
 
 
-def test_nothing_private_is_exported() -> None:
-    assert [name for name in blocks.__all__ if name.startswith("_")] == []
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_nothing_private_is_exported(namespace: types.ModuleType) -> None:
+    assert [name for name in namespace.__all__ if name.startswith("_")] == []
 
 
-def test_the_package_defines_nothing_public_beyond_all() -> None:
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_the_package_defines_nothing_public_beyond_all(namespace: types.ModuleType) -> None:
     public = {
         name
-        for name, value in vars(blocks).items()
+        for name, value in vars(namespace).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
-    assert public <= set(blocks.__all__), sorted(public - set(blocks.__all__))
+    assert public <= set(namespace.__all__), sorted(public - set(namespace.__all__))
+
+
+def test_the_demo_and_test_helpers_are_not_in_the_root_namespace() -> None:
+    assert not set(blocks.testing.__all__) & set(blocks.__all__)
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -152,9 +166,11 @@ def _named_types(annotation: object) -> set[str]:
     return set(re.findall(r"\b([A-Z][A-Za-z0-9_]*)\b", str(annotation)))
 
 
-def test_every_type_a_public_signature_names_is_exported() -> None:
-    """What a public function or method takes or returns, a user can import from ``blocks``."""
-    exported = set(blocks.__all__)
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_every_type_a_public_signature_names_is_exported(namespace: types.ModuleType) -> None:
+    """What a public function or method takes or returns, a user can import from ``blocks`` (or, for
+    ``blocks.testing``, from ``blocks`` or ``blocks.testing``)."""
+    exported = set(blocks.__all__) | set(namespace.__all__)
     ours = {
         name
         for module_name, module in list(sys.modules.items())
@@ -163,8 +179,8 @@ def test_every_type_a_public_signature_names_is_exported() -> None:
         if isinstance(value, type) and getattr(value, "__module__", "").startswith("blocks")
     }
     missing: dict[str, list[str]] = {}
-    for name in blocks.__all__:
-        value = getattr(blocks, name)
+    for name in namespace.__all__:
+        value = getattr(namespace, name)
         members = [(name, value)] if not isinstance(value, type) else []
         if isinstance(value, type):
             for attr, member in vars(value).items():
@@ -216,3 +232,45 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
         if (found := _private_imports(path))
     }
     assert not stray, stray
+
+
+# -- recipes: short, and built from public imports ----------------------------------------------------
+
+RECIPES = sorted(p for p in (BLOCKS.parent / "recipes").glob("*.py") if p.name != "__init__.py")
+MAX_RECIPE_LINES = 120
+
+
+def test_the_recipes_are_found() -> None:
+    assert {"chain", "chat", "fleet", "noisy_neighbour", "shadow"} <= {p.stem for p in RECIPES}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_recipe_is_at_most_120_lines_without_its_docstring(path: Path) -> None:
+    tree = ast.parse(path.read_text(), str(path))
+    docstring = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    assert docstring is not None and isinstance(ast.get_docstring(tree), str), f"{path.name} has no docstring"
+    assert docstring.end_lineno is not None
+    lines = len(path.read_text().splitlines()) - (docstring.end_lineno - docstring.lineno + 1)
+    assert lines <= MAX_RECIPE_LINES, f"{path.name}: {lines} lines without its docstring"
+
+
+def _third_party_or_stdlib(module: str) -> bool:
+    top = module.split(".")[0]
+    return top not in ("blocks", "recipes", "tests", "bench", "support", "_harness")
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_recipe_imports_only_public_names(path: Path) -> None:
+    """``blocks`` and ``blocks.testing`` (no private name), the standard library and third parties."""
+    stray = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not (alias.name in ("blocks", "blocks.testing") or _third_party_or_stdlib(alias.name)):
+                    stray.append(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level or not (module in ("blocks", "blocks.testing") or _third_party_or_stdlib(module)):
+                stray.append(f"from {'.' * node.level}{module}")
+            stray += [f"{module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert stray == [], f"{path.name} imports {stray}"

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from support import Assembled, RawH2Client, assemble, raw_exchange
+from support import RawH2Client, assemble, raw_exchange
 
-from blocks import UpstreamConfig
+from blocks import Chain, UpstreamConfig
 
 
 def h2_client(**kwargs: Any) -> httpx.AsyncClient:
@@ -28,7 +28,7 @@ def assert_error_page(response: httpx.Response, status: int) -> None:
     assert response.text == f"{status} {response.reason_phrase}\n"
 
 
-async def wait_in_flight(chain: Assembled) -> None:
+async def wait_in_flight(chain: Chain) -> None:
     """Until the worker relays at least one request."""
     while not any(chain.worker.statistics().in_flight.values()):
         await trio.sleep(0.005)

@@ -283,14 +283,14 @@ async def test_the_chain_routes_from_its_store_and_follows_changes(chain: Chain)
     put there routes within moments, a replica deleted there stops getting traffic."""
     with trio.fail_after(10):
         worker = f"{HOST}:{chain.worker_server.port}"
-        replica_1 = f"{HOST}:{chain.replicas[1].port}"
+        replica_1 = f"{HOST}:{chain.replicas['replica-1'].port}"
         chain.store.transact(
             {
                 route_key_for_domain("solo.test"): encode_domain("solo"),
                 route_key_for_replica("solo", "replica-1"): encode_replica(worker=worker, address=replica_1),
             }
         )
-        await wait_for(lambda: chain.routes.app_for(b"solo.test") == "solo")
+        await wait_for(lambda: chain.cache.app_for(b"solo.test") == "solo")
         for _ in range(4):
             out = await curl(
                 "-s",
@@ -304,6 +304,6 @@ async def test_the_chain_routes_from_its_store_and_follows_changes(chain: Chain)
             )
             assert out == "200 replica-1"
         chain.store.delete(route_key_for_replica("solo", "replica-1"))
-        await wait_for(lambda: not chain.routes.replicas("solo"))
+        await wait_for(lambda: not chain.cache.replicas("solo"))
         status = await curl("-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "host: solo.test", f"{chain.url}/")
         assert status == "503"

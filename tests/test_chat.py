@@ -31,7 +31,7 @@ async def test_a_websocket_without_a_room_is_refused_by_the_app(nursery: trio.Nu
     with trio.fail_after(20):
         chat: Chat = await nursery.start(functools.partial(main, announce=False))
         with pytest.raises(trio_websocket.ConnectionRejected) as refused:
-            async with connect_websocket(chat.edge.port, "/ws"):
+            async with connect_websocket(chat.chain.edge.port, "/ws"):
                 pass
         assert refused.value.status_code == 403  # the chat app's own answer: no session, no room
         chat.stop()
@@ -44,7 +44,7 @@ async def test_a_forged_session_cookie_is_a_401_at_the_proxy(nursery: trio.Nurse
         forged = token[:-6] + ("AAAAAA" if not token.endswith("AAAAAA") else "BBBBBB")
         with pytest.raises(trio_websocket.ConnectionRejected) as refused:
             async with connect_websocket(
-                chat.edge.port, "/ws", extra_headers=[("cookie", f"proxyblocks-session={forged}")]
+                chat.chain.edge.port, "/ws", extra_headers=[("cookie", f"proxyblocks-session={forged}")]
             ):
                 pass
         assert refused.value.status_code == 401
@@ -58,8 +58,8 @@ async def test_an_oversized_message_closes_only_its_sender(nursery: trio.Nursery
         room = await start_room(chat)
         cookie = [("cookie", f"proxyblocks-session={room['token']}")]
         async with (
-            connect_websocket(chat.edge.port, "/ws", extra_headers=cookie) as loud,
-            connect_websocket(chat.edge.port, "/ws", extra_headers=cookie) as quiet,
+            connect_websocket(chat.chain.edge.port, "/ws", extra_headers=cookie) as loud,
+            connect_websocket(chat.chain.edge.port, "/ws", extra_headers=cookie) as quiet,
         ):
             for ws in (loud, quiet):
                 hello = json.loads(await ws.get_message())

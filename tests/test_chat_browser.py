@@ -95,6 +95,6 @@ async def test_two_pages_share_a_room_and_a_reload_rejoins_it_on_the_same_replic
     ]
     other = next(name for name in chat.apps if name != alice["replica"])
     assert chat.apps[other].rooms == {}
-    assert chat.worker.sessions is not None
-    assert chat.worker.sessions.statistics().active == {alice["replica"]: 1, other: 0}
+    assert chat.chain.worker.sessions is not None
+    assert chat.chain.worker.sessions.statistics().active == {alice["replica"]: 1, other: 0}
     chat.stop()

@@ -25,32 +25,27 @@ import httpx
 import trio
 from support import (
     HOST,
-    Assembled,
     RawH2Client,
     TenantReplica,
     assemble_fair,
     closed_port,
     record_relays,
+    route_apps,
     serve_tenant_replica,
     wait_for,
 )
 
 import recipes.noisy_neighbour
 from blocks import (
-    EdgeConfig,
+    Chain,
     LocalReplica,
-    Replica,
-    RouteTable,
     Scheduler,
     SchedulerConfig,
     SchedulerStatistics,
     TenantPolicy,
     UpstreamConfig,
-    serve_edge,
-    serve_proxy,
-    serve_worker,
+    serve_chain,
 )
-from recipes.chain import Chain
 from recipes.chain import main as chain_main
 
 SMALL = SchedulerConfig(
@@ -65,13 +60,13 @@ def h2_client(**kwargs: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(http2=True, http1=False, trust_env=False, timeout=20, **kwargs)
 
 
-def scheduler_of(chain: Assembled | Chain) -> Scheduler:
+def scheduler_of(chain: Chain | Chain) -> Scheduler:
     scheduler = chain.proxy.scheduler
     assert scheduler is not None, "this chain's proxy runs without a scheduler"
     return scheduler
 
 
-async def settled(chain: Assembled | Chain) -> SchedulerStatistics:
+async def settled(chain: Chain | Chain) -> SchedulerStatistics:
     """The scheduler's statistics once every slot is back and nobody waits.
 
     The client has its responses by then, but the proxy releases a slot when
@@ -124,7 +119,7 @@ async def flood_and_trickle(url: str) -> tuple[list[Outcome], list[Outcome]]:
     return flood, trickle
 
 
-async def warm_up(chain: Assembled) -> None:
+async def warm_up(chain: Chain) -> None:
     """One request, so the pools are open before the traffic that matters."""
     async with h2_client() as client:
         response = await client.get(chain.url + "/", headers={"x-tenant": "warm-up"})
@@ -212,7 +207,7 @@ async def test_weighted_tenants_share_the_slots_three_to_one(nursery: trio.Nurse
 # -- 3. slots are released on every path -----------------------------------------------------------
 
 
-async def assemble_every_path(nursery: trio.Nursery, scheduler: SchedulerConfig) -> tuple[Assembled, TenantReplica]:
+async def assemble_every_path(nursery: trio.Nursery, scheduler: SchedulerConfig) -> tuple[Chain, TenantReplica]:
     """A chain whose routes end every way.
 
     ``*`` -> the replica; ``dead.test`` -> a closed port (502); ``empty.test``
@@ -221,28 +216,28 @@ async def assemble_every_path(nursery: trio.Nursery, scheduler: SchedulerConfig)
     """
     replica, _, local = await serve_tenant_replica(nursery)
     dead = LocalReplica((HOST, closed_port()))
-    worker_server, worker = await nursery.start(functools.partial(serve_worker, {"replica-0": local, "dead-0": dead}))
-    slow_server, _ = await nursery.start(
-        functools.partial(
-            serve_worker, {"slow-0": local}, name="slow-worker", upstream=UpstreamConfig(response_timeout=0.5)
+
+    async def build(chain: Chain) -> None:
+        await chain.start_worker({"replica-0": local, "dead-0": dead}, app=None)
+        await chain.start_worker(
+            {"slow-0": local},
+            app="slow",
+            domains=["slow.test"],
+            name="slow-worker",
+            upstream=UpstreamConfig(response_timeout=0.5),
         )
-    )
-    at_worker = (HOST, worker_server.port)
-    at_slow = (HOST, slow_server.port)
-    routes = RouteTable.build(
-        {"*": "app", "dead.test": "dead", "empty.test": "empty", "slow.test": "slow"},
-        {
-            "app": [Replica(name="replica-0", worker=at_worker, address=local.address)],
-            "dead": [Replica(name="dead-0", worker=at_worker, address=dead.address)],
-            "empty": [],
-            "slow": [Replica(name="slow-0", worker=at_slow, address=local.address)],
-        },
-    )
-    proxy_server, proxy = await nursery.start(
-        functools.partial(serve_proxy, routes, scheduler=scheduler, upstream=UpstreamConfig(response_timeout=10))
-    )
-    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
-    return Assembled(edge, proxy_server, proxy, worker_server, worker, {}), replica
+        route_apps(
+            chain,
+            {"replica-0": local, "dead-0": dead},
+            "app",
+            {"*": "app", "dead.test": "dead", "empty.test": "empty"},
+            {"app": ["replica-0"], "dead": ["dead-0"], "empty": []},
+        )
+        await chain.start_proxy(scheduler=scheduler, upstream=UpstreamConfig(response_timeout=10))
+        await chain.start_edge()
+
+    chain: Chain = await nursery.start(serve_chain, build)
+    return chain, replica
 
 
 async def cancellable_get(scope: trio.CancelScope, url: str, tenant: str) -> None:

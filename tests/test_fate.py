@@ -48,9 +48,9 @@ from blocks import (
     Upstreams,
     Worker,
     open_upstreams,
-    serve_demo_replica,
     serve_http,
 )
+from blocks.testing import serve_demo_replica
 from tests.support import HOST, H2Result, RawH2Client, wait_books_balanced
 
 HOPS = ["edge", "proxy", "worker"]

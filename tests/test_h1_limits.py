@@ -21,10 +21,11 @@ import functools
 import attrs
 import pytest
 import trio
-from support import HOST, Assembled, RawH2Client, assemble, assemble_local
+from support import HOST, RawH2Client, assemble, assemble_local
 from test_smuggling import RecordingReplica, exchange, start_recording_replica
 
 from blocks import (
+    Chain,
     EdgeConfig,
     HTTPServer,
     ListenerConfig,
@@ -267,7 +268,7 @@ async def test_a_chunked_body_crossing_the_limit_raises_in_the_handler_and_gets_
 # -- the body limit at a chain's edge, with an h1 replica behind it ----------------------------------
 
 
-async def limited_chain(nursery: trio.Nursery) -> tuple[Assembled, int, RecordingReplica]:
+async def limited_chain(nursery: trio.Nursery) -> tuple[Chain, int, RecordingReplica]:
     """A recording h1 replica behind a chain, plus a second edge with ``max_request_body=LIMIT``; its port."""
     replica, local = await start_recording_replica(nursery)
     chain = await assemble_local(nursery, {"r": local})

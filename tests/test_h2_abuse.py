@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from blocks import (
+    Chain,
     EdgeConfig,
     HTTPServer,
     IterBody,
@@ -33,14 +34,14 @@ from blocks import (
     text_response,
 )
 from blocks.transport._h2 import BACKLOG_HIGH
-from tests.support import HOST, Assembled, RawFrames, TenantReplica, assemble_local, serve_tenant_replica
+from tests.support import HOST, RawFrames, TenantReplica, assemble_local, serve_tenant_replica
 
 CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 CANCEL = h2.errors.ErrorCodes.CANCEL
 MB = 1024 * 1024
 
 
-async def counted_chain(nursery: trio.Nursery) -> tuple[Assembled, TenantReplica]:
+async def counted_chain(nursery: trio.Nursery) -> tuple[Chain, TenantReplica]:
     """edge -> proxy -> worker -> a replica that records every request that reaches it."""
     replica, _, local = await serve_tenant_replica(nursery)
     return await assemble_local(nursery, {"r0": local}), replica

@@ -719,11 +719,12 @@ async def test_shutdown_cancels_shadows_without_delaying_the_drain(nursery: trio
 
 
 async def test_the_shadow_recipe_reports_the_comparison(nursery: trio.Nursery) -> None:
-    from recipes.shadow import Shadow, main, report, send_traffic
+    from blocks.testing import send_shop_traffic
+    from recipes.shadow import Shadow, main, report
 
     with trio.fail_after(20):
         shadow: Shadow = await nursery.start(functools.partial(main, announce=False))
-        await send_traffic(shadow.edge.port, 100)
+        await send_shop_traffic((shadow.chain.host, shadow.chain.port), 100)
         await wait_for(lambda: shadow.statistics().compared == 100, lambda: repr(shadow.statistics()))
         stats = shadow.statistics()
         text = report(stats, shadow.mismatches)

@@ -35,7 +35,6 @@ from support import (
 )
 
 from blocks import (
-    DemoApp,
     EdgeConfig,
     IterBody,
     LeastInFlight,
@@ -47,12 +46,12 @@ from blocks import (
     UpstreamConfig,
     UpstreamTimeout,
     open_upstreams,
-    serve_demo_replica,
     serve_edge,
     serve_http,
     serve_worker,
     text_response,
 )
+from blocks.testing import DemoApp, serve_demo_replica
 
 TOKENS = b"".join(b"token %d\n" % i for i in range(5))
 

@@ -24,9 +24,9 @@ import h2.errors
 import h11
 import pytest
 import trio
-from support import HOST, Assembled, H2Result, RawH2Client, assemble_fair, assemble_local, wait_for
+from support import HOST, H2Result, RawH2Client, assemble_fair, assemble_local, wait_for
 
-from blocks import LocalReplica
+from blocks import Chain, LocalReplica
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -113,7 +113,7 @@ async def start_recording_replica(nursery: trio.Nursery) -> tuple[RecordingRepli
     return replica, LocalReplica((HOST, listeners[0].socket.getsockname()[1]), "h1")
 
 
-async def recording_chain(nursery: trio.Nursery) -> tuple[Assembled, RecordingReplica]:
+async def recording_chain(nursery: trio.Nursery) -> tuple[Chain, RecordingReplica]:
     replica, local = await start_recording_replica(nursery)
     chain = await assemble_local(nursery, {"r": local})
     return chain, replica
@@ -186,7 +186,7 @@ async def exchange(port: int, data: bytes, *, replies: int = 1) -> Exchange:
     return result
 
 
-async def check_refused_h1(chain: Assembled, replica: RecordingReplica, data: bytes, status: int) -> None:
+async def check_refused_h1(chain: Chain, replica: RecordingReplica, data: bytes, status: int) -> None:
     """``data`` gets ``status`` and a close at the edge; nothing reaches the replica; the chain goes on."""
     result = await exchange(chain.port, data)
     reply = result.replies[0]
@@ -197,7 +197,7 @@ async def check_refused_h1(chain: Assembled, replica: RecordingReplica, data: by
     await check_good_request(chain, replica, seen=1)
 
 
-async def check_good_request(chain: Assembled, replica: RecordingReplica, *, seen: int) -> None:
+async def check_good_request(chain: Chain, replica: RecordingReplica, *, seen: int) -> None:
     """A well-formed request still goes through, and the replica has now seen ``seen`` requests in all."""
     ok = await exchange(chain.port, b"GET /good HTTP/1.1\r\nhost: a.test\r\nconnection: close\r\n\r\n")
     assert ok.status == 200
@@ -405,7 +405,7 @@ async def test_h1_absolute_form_wins_over_host(nursery: trio.Nursery) -> None:
 # -- h2 at the edge ------------------------------------------------------------------------------
 
 
-async def h2_request(chain: Assembled, headers: Headers, body: bytes | None = None) -> H2Result:
+async def h2_request(chain: Chain, headers: Headers, body: bytes | None = None) -> H2Result:
     """One request on a new h2 connection, followed by a good one on the same connection."""
     async with RawH2Client.open(chain.port) as client:
         result = await client.request(headers, body)

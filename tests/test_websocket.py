@@ -26,7 +26,6 @@ import wsproto.connection
 import wsproto.events
 from support import (
     HOST,
-    Assembled,
     RawFrames,
     RawH2Client,
     assemble,
@@ -40,6 +39,7 @@ from support import (
 
 from blocks import (
     INTERNAL_LISTENER,
+    Chain,
     EdgeConfig,
     HTTPServer,
     ListenerConfig,
@@ -49,15 +49,14 @@ from blocks import (
     UpstreamConfig,
     WebSocketConfig,
     open_websocket_app,
-    serve_demo_replica,
     serve_edge,
     serve_http,
     serve_proxy,
     serve_websocket_app,
     serve_worker,
     text_response,
-    websocket_echo,
 )
+from blocks.testing import serve_demo_replica, websocket_echo
 from blocks.transport._h2 import BACKLOG_HIGH, H2Driver
 
 MiB = 1 << 20
@@ -98,7 +97,7 @@ def recording_echo(closes: Closes) -> Any:
 
 @attrs.define
 class WsChain:
-    chain: Assembled
+    chain: Chain
     kind: str  # "h1": trio-websocket's server behind an h1 Upgrade; "h2": a blocks replica behind extended CONNECT
     closes: Closes
     replica_scope: trio.CancelScope

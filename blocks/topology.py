@@ -1,0 +1,358 @@
+"""The topology kit: route records, a chain in one process, and a command's signal handling.
+
+Recipes, tests and benchmarks build their chains with these, so that the
+shape ``replicas -> worker -> proxy -> edge`` is written once:
+
+- :func:`route_records`: the route store records that send ``domains`` to
+  an app whose replicas sit behind one worker (nobody hand-writes keys);
+- :func:`open_chain` / :func:`serve_chain`: a :class:`Chain` owning one
+  nursery, started part by part (:meth:`Chain.start_replica`,
+  :meth:`Chain.start_worker`, :meth:`Chain.start_proxy`,
+  :meth:`Chain.start_edge`), the proxy routing from a :class:`RouteCache`
+  that follows the chain's :class:`EmbeddedStore`; :meth:`Chain.shutdown`
+  drains front to back;
+- :func:`run_until_signal`: a command's ``trio.run``: serve until SIGINT or
+  SIGTERM, drain on the first, stop at once on the second.
+
+Each part is started on its own, so a process that runs one role (only a
+worker, only a proxy) uses the same steps as a chain in one process.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from blocks.hops import EdgeConfig, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
+from blocks.routing import (
+    Address,
+    AppSettings,
+    RouteCache,
+    encode_domain,
+    encode_replica,
+    encode_settings,
+    route_key_for_domain,
+    route_key_for_replica,
+    route_key_for_settings,
+)
+from blocks.sources import EmbeddedStore, RouteSource, reconcile
+from blocks.testing import make_self_signed, serve_demo_replica
+from blocks.transport.listener import HTTPServer
+from blocks.transport.tls import server_context
+
+HOST = "127.0.0.1"
+
+ServeReplica = Callable[..., Awaitable[None]]
+"""A ``serve_*`` function for one replica, called as ``serve(host=HOST, task_status=...)``
+(a ``functools.partial`` of :func:`~blocks.serve_http`, say); it reports its :class:`HTTPServer`."""
+
+BuildChain = Callable[["Chain"], Awaitable[None]]
+"""What :func:`serve_chain` calls to start a chain's parts, in order."""
+
+
+def route_records(
+    app: str,
+    replicas: Mapping[str, LocalReplica],
+    *,
+    worker: Address,
+    domains: Iterable[str] = (),
+    settings: AppSettings | None = None,
+) -> dict[str, bytes]:
+    """The route store records of one app: ``domains`` -> ``app`` -> ``replicas`` behind ``worker``.
+
+    One ``domains/<domain>`` record per domain (``"*"`` is the catch-all),
+    one ``apps/<app>/replicas/<name>`` per replica with its address and
+    protocol as the worker reaches it, and ``apps/<app>/settings`` when
+    ``settings`` is given. Write them with ``EmbeddedStore.transact`` (one
+    revision, so a route cache never sees half an app) or ``EtcdSource.put``.
+    """
+    records = {route_key_for_domain(domain): encode_domain(app) for domain in domains}
+    for name, replica in replicas.items():
+        value = encode_replica(worker=worker, address=replica.address, protocol=replica.protocol)
+        records[route_key_for_replica(app, name)] = value
+    if settings is not None:
+        records[route_key_for_settings(app)] = encode_settings(settings)
+    return records
+
+
+@attrs.define(eq=False)
+class Chain:
+    """A chain in one process, started part by part in the nursery it owns (see :func:`open_chain`).
+
+    ``replicas``: the replica servers it started, by name; ``workers``: every
+    worker it started, in order (``worker``/``worker_server`` is the first);
+    ``store`` and ``cache``: the routes and the proxy's copy of them;
+    ``cert``: the edge's certificate with ``tls=True``. Reading a part that
+    has not started (``edge`` before :meth:`start_edge`) raises
+    ``RuntimeError``.
+    """
+
+    host: str
+    store: EmbeddedStore
+    cache: RouteCache
+    _nursery: trio.Nursery
+    replicas: dict[str, HTTPServer] = attrs.field(factory=dict)
+    workers: list[tuple[HTTPServer, Worker]] = attrs.field(factory=list)
+    cert: Path | None = None
+    _proxy: tuple[HTTPServer, Proxy] | None = None
+    _edge: HTTPServer | None = None
+
+    @property
+    def edge(self) -> HTTPServer:
+        if self._edge is None:
+            raise RuntimeError("the chain's edge has not started")
+        return self._edge
+
+    @property
+    def proxy_server(self) -> HTTPServer:
+        if self._proxy is None:
+            raise RuntimeError("the chain's proxy has not started")
+        return self._proxy[0]
+
+    @property
+    def proxy(self) -> Proxy:
+        if self._proxy is None:
+            raise RuntimeError("the chain's proxy has not started")
+        return self._proxy[1]
+
+    @property
+    def worker_server(self) -> HTTPServer:
+        if not self.workers:
+            raise RuntimeError("the chain has no worker")
+        return self.workers[0][0]
+
+    @property
+    def worker(self) -> Worker:
+        if not self.workers:
+            raise RuntimeError("the chain has no worker")
+        return self.workers[0][1]
+
+    @property
+    def port(self) -> int:
+        """The edge's port."""
+        return self.edge.port
+
+    @property
+    def url(self) -> str:
+        """The edge's URL: ``http://HOST:PORT``, or ``https://localhost:PORT`` (what its certificate names)."""
+        host = "localhost" if self.cert is not None else self.host
+        return f"{self.edge.scheme}://{host}:{self.edge.port}"
+
+    async def start_replica(
+        self,
+        name: str,
+        serve: ServeReplica | None = None,
+        *,
+        protocol: str = "h2",
+        capacity: int = 0,
+        max_sessions: int = 0,
+    ) -> LocalReplica:
+        """Start replica ``name`` on a free port; return it as a worker reaches it.
+
+        ``serve`` (default: :func:`~blocks.testing.serve_demo_replica` of
+        ``name``) is called with ``host`` and ``task_status``. ``protocol``,
+        ``capacity`` and ``max_sessions`` go to the :class:`LocalReplica`.
+        """
+        serve = serve or functools.partial(serve_demo_replica, name)
+        server: HTTPServer = await self._nursery.start(functools.partial(serve, host=self.host))
+        self.replicas[name] = server
+        return LocalReplica((self.host, server.port), protocol, capacity=capacity, max_sessions=max_sessions)
+
+    async def start_worker(
+        self,
+        replicas: Mapping[str, LocalReplica],
+        *,
+        app: str | None = "demo",
+        domains: Iterable[str] = ("*",),
+        settings: AppSettings | None = None,
+        **options: Any,
+    ) -> tuple[HTTPServer, Worker]:
+        """Start a worker in front of ``replicas`` (running or not), then route ``app`` to them.
+
+        With ``app`` (None: write no routes), the store gets
+        :func:`route_records` of ``app``, ``domains``, ``settings`` and every
+        replica, in one transaction. ``options`` go to
+        :func:`~blocks.serve_worker` (``upstream``, ``sessions``, ``name``...).
+        """
+        started: tuple[HTTPServer, Worker] = await self._nursery.start(
+            functools.partial(serve_worker, replicas, host=self.host, **options)
+        )
+        self.workers.append(started)
+        if app is not None:
+            address = (self.host, started[0].port)
+            self.store.transact(route_records(app, replicas, worker=address, domains=domains, settings=settings))
+        return started
+
+    async def start(self, serve: Callable[..., Awaitable[object]], *args: object) -> Any:
+        """Start another service in the chain's nursery (``nursery.start``: ``serve`` takes
+        ``task_status``); return what it reports. It stops with the chain, after its parts drained."""
+        return await self._nursery.start(serve, *args)
+
+    def follow_route_file(self, path: Path) -> None:
+        """Load a route file (TOML or JSON, docs/sources.md) into the store now, and reload it as it changes.
+
+        Raises ``RouteFileError`` if the file cannot be loaded now.
+        """
+        self.store.load_file(path)
+        self._nursery.start_soon(self.store.watch_file, path)
+
+    async def start_proxy(self, *, source: RouteSource | None = None, **options: Any) -> tuple[HTTPServer, Proxy]:
+        """Keep :attr:`cache` equal to ``source`` (default: :attr:`store`), then start the proxy routing from it.
+
+        Returns once the cache holds the source's first snapshot and the
+        proxy listens; from then on the cache follows the source's changes
+        (:func:`~blocks.reconcile`). ``source`` is any :class:`RouteSource`
+        (an :class:`EtcdSource` shared by several proxies, say). ``options``
+        go to :func:`~blocks.serve_proxy` (``port``, ``scheduler``,
+        ``upstream``, ``policy``, ``sessions``, ``mirror``...).
+        """
+        await self._nursery.start(reconcile, source or self.store, self.cache)
+        self._proxy = await self._nursery.start(functools.partial(serve_proxy, self.cache, host=self.host, **options))
+        return self._proxy
+
+    async def start_edge(
+        self,
+        *,
+        port: int = 0,
+        proxy: Address | None = None,
+        tls: bool = False,
+        cert_dir: Path | None = None,
+        **options: Any,
+    ) -> HTTPServer:
+        """Start the edge on ``port`` (0: a free one), in front of ``proxy`` (default: this chain's).
+
+        With ``tls``, it serves HTTPS (ALPN ``h2``, ``http/1.1``) with a
+        self-signed certificate for ``localhost`` and ``127.0.0.1`` written
+        into ``cert_dir`` (default: a new temporary directory); :attr:`cert`
+        is its path. ``options`` go to :func:`~blocks.serve_edge`
+        (``upstream``, ``listener``...).
+        """
+        context = None
+        if tls:
+            self.cert, key = make_self_signed(cert_dir or Path(tempfile.mkdtemp(prefix="proxyblocks-")))
+            context = server_context(self.cert, key)
+        config = EdgeConfig(proxy=proxy or (self.host, self.proxy_server.port))
+        serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
+        self._edge = await self._nursery.start(serve)
+        return self._edge
+
+    async def shutdown(self, grace: float = 10.0) -> None:
+        """Drain front to back, then stop everything the chain runs.
+
+        The front-most part started (the edge, else the proxy, else the
+        workers) drains first: it stops accepting, h2 clients get GOAWAY, h1
+        clients ``connection: close``, and requests in flight get up to
+        ``grace`` seconds. The parts behind it then close one after the
+        other, each with a 1-second grace (they are idle by then), and the
+        chain's nursery is cancelled.
+        """
+        servers = [self._edge] if self._edge is not None else []
+        servers += [self._proxy[0]] if self._proxy is not None else []
+        servers += [server for server, _ in self.workers] + list(self.replicas.values())
+        for i, server in enumerate(servers):
+            await server.aclose(grace if i == 0 else 1.0)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stop everything the chain runs at once, without a drain (its nursery is cancelled)."""
+        self._nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_chain(*, host: str = HOST, store: EmbeddedStore | None = None) -> AsyncIterator[Chain]:
+    """An empty :class:`Chain` on ``host`` whose nursery runs every part it starts.
+
+    ``store`` (default: a new, empty :class:`EmbeddedStore`) holds its
+    routes. Leaving the block cancels whatever still runs (no drain: call
+    :meth:`Chain.shutdown` for that, which also cancels the block's body).
+    """
+    async with trio.open_nursery() as nursery:
+        yield Chain(host, store or EmbeddedStore(), RouteCache(), nursery)
+        nursery.cancel_scope.cancel()
+
+
+async def serve_chain(
+    build: BuildChain,
+    *,
+    host: str = HOST,
+    store: EmbeddedStore | None = None,
+    announce: bool = False,
+    task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Open a chain, let ``build`` start its parts, report the :class:`Chain`, run until it shuts down.
+
+    With ``announce``, prints ``edge listening on http://HOST:PORT`` (or
+    ``https://``) once ``build`` has started the edge, and with TLS a
+    second line, ``certificate: PATH  (curl --cacert PATH URL/)``.
+    """
+    async with open_chain(host=host, store=store) as chain:
+        await build(chain)
+        if announce:
+            print(f"edge listening on {chain.edge.scheme}://{host}:{chain.edge.port}", flush=True)
+            if chain.cert is not None:
+                print(f"certificate: {chain.cert}  (curl --cacert {chain.cert} {chain.url}/)", flush=True)
+        task_status.started(chain)
+        await trio.sleep_forever()
+
+
+class Drainable(Protocol):
+    """What :func:`run_until_signal` runs: anything with an async ``shutdown(grace)`` that drains."""
+
+    async def shutdown(self, grace: float) -> None: ...
+
+
+def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10.0) -> None:
+    """Run ``start`` (a ``serve_*``-style function reporting a :class:`Drainable`) until SIGINT or SIGTERM.
+
+    A command's ``trio.run``. The first signal prints ``draining...``, calls
+    the reported object's ``shutdown(grace)``, prints ``stopped`` and
+    returns (exit status 0). A second signal while draining prints
+    ``stopping now`` and cancels everything at once; the process then exits
+    with 128 + the signal's number (130 for SIGINT), with no traceback. If
+    ``start`` ends by itself, so does this (printing nothing); an error it
+    raises propagates.
+    """
+    try:
+        code = trio.run(_until_signal, start, grace)
+    except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place, or after
+        code = 128 + signal.SIGINT
+    if code:
+        raise SystemExit(code)
+
+
+async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> int:
+    code = 0
+    drained = False
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def serve(task_status: trio.TaskStatus[Drainable]) -> None:
+                await start(task_status=task_status)
+                nursery.cancel_scope.cancel()  # it ended: stop waiting for a signal
+
+            async def second() -> None:
+                nonlocal code
+                async for signum in signals:
+                    print("stopping now", flush=True)
+                    code = 128 + signum
+                    nursery.cancel_scope.cancel()
+
+            target: Drainable = await nursery.start(serve)
+            async for _ in signals:
+                break
+            print("draining...", flush=True)
+            nursery.start_soon(second)
+            await target.shutdown(grace)
+            drained = True
+            nursery.cancel_scope.cancel()
+    if drained and not code:
+        print("stopped", flush=True)
+    return code
