@@ -119,7 +119,7 @@ def rotation(count: int, decisions: int) -> tuple[list[str], list[str]]:
 
 def time_fair_queue_try(count: int, decisions: int, repeats: int) -> float:
     _import_project()
-    from blocks import FairQueue
+    from blocks.scheduler import FairQueue
     from recipes.chain import FAIR
 
     names, order = rotation(count, decisions)
@@ -142,7 +142,7 @@ def time_scheduler_try(count: int, decisions: int, repeats: int) -> float:
     _import_project()
     import trio
 
-    from blocks import open_scheduler
+    from blocks.scheduler import open_scheduler
     from recipes.chain import FAIR
 
     names, order = rotation(count, decisions)
@@ -168,7 +168,8 @@ def time_scheduler_try(count: int, decisions: int, repeats: int) -> float:
 def time_fair_queue_queued(count: int, decisions: int, repeats: int) -> float:
     """enqueue + release with a budget of one slot: every decision goes through a queue and the DRR."""
     _import_project()
-    from blocks import FairQueue, SchedulerConfig, TenantPolicy
+    from blocks import SchedulerConfig, TenantPolicy
+    from blocks.scheduler import FairQueue
 
     # A short queue_timeout and an expire() call per chunk, as the driver's
     # expiry task does, so the deadline heap is trimmed and its pops are paid

@@ -108,14 +108,14 @@ def serve_mirroring_proxy(port: int, worker: int, replica: int, fraction: float,
     import blocks
 
     if len(shadow) == 2:
-        setting = blocks.MirrorSetting(to="shadow", fraction=fraction)
+        setting = blocks.routing.MirrorSetting(to="shadow", fraction=fraction)
     else:
-        setting = blocks.MirrorSetting(address=(HOST, shadow[0]), fraction=fraction)
+        setting = blocks.routing.MirrorSetting(address=(HOST, shadow[0]), fraction=fraction)
     apps = {"demo": [blocks.Replica(name="r0", worker=(HOST, worker), address=(HOST, replica))]}
     if len(shadow) == 2:
         # the shadow worker knows its replica as r0 (bench/_harness.py); the names are per app here
         apps["shadow"] = [blocks.Replica(name="r0", worker=(HOST, shadow[0]), address=(HOST, shadow[1]))]
-    routes = blocks.RouteTable.build({"*": "demo"}, apps, {"demo": blocks.AppSettings(mirror=setting)})
+    routes = blocks.RouteTable.build({"*": "demo"}, apps, {"demo": blocks.routing.AppSettings(mirror=setting)})
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

@@ -87,7 +87,8 @@ def best_of(repeats: int, run: Callable[[], object]) -> float:
 def candidates_of(size: int) -> tuple[Any, ...]:
     """``size`` replicas of one app, from a RouteCache, as the proxy gets them."""
     _import_project()
-    from blocks import RouteCache, encode_replica, route_key_for_replica
+    from blocks import RouteCache
+    from blocks.store import encode_replica, route_key_for_replica
 
     cache = RouteCache()
     snapshot = {
@@ -111,7 +112,8 @@ def in_flight_for(state: str, candidates: tuple[Any, ...], rng: random.Random) -
 def policies() -> list[tuple[str, Callable[[], Any], str]]:
     """(row, a fresh policy, which requests: "plain", "repeated" or "new")."""
     _import_project()
-    from blocks import AffinityHash, LeastInFlight, PowerOfTwo, RoundRobin
+    from blocks import LeastInFlight
+    from blocks.routing import AffinityHash, PowerOfTwo, RoundRobin
 
     return [
         ("LeastInFlight", lambda: LeastInFlight(random.Random(1)), "plain"),
@@ -196,14 +198,8 @@ def print_picks(results: dict[tuple[str, str, int], float], picks: int, repeats:
 
 def measure_cache(repeats: int) -> dict[str, float]:
     _import_project()
-    from blocks import (
-        RouteCache,
-        RouteEvent,
-        encode_domain,
-        encode_replica,
-        route_key_for_domain,
-        route_key_for_replica,
-    )
+    from blocks import RouteCache
+    from blocks.store import RouteEvent, encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
 
     snapshot: dict[str, bytes] = {}
     for a in range(1000):
@@ -266,7 +262,8 @@ def measure_propagation(puts: int) -> dict[str, tuple[float, float]]:
 
     import trio
 
-    from blocks import EmbeddedStore, EtcdSource, open_route_cache, route_key_for_domain
+    from blocks import EmbeddedStore, EtcdSource, open_route_cache
+    from blocks.store import route_key_for_domain
     from tests.etcd_server import open_etcd
 
     async def run(source: Any, make: Callable[[], Any], put: Callable[[str, bytes], Any]) -> tuple[float, float]:

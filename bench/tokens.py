@@ -92,7 +92,7 @@ def sample(calls: dict[str, tuple[Callable[[], Any], int]], overhead: float) -> 
 
 
 def rejecting(call: Callable[[], Any]) -> Callable[[], Any]:
-    from blocks import InvalidToken
+    from blocks.errors import InvalidToken
 
     def run() -> None:
         try:
@@ -107,7 +107,8 @@ def rejecting(call: Callable[[], Any]) -> Callable[[], Any]:
 
 def measure(samples: int, slow_samples: int, overhead: float) -> dict[str, list[float]]:
     _import_project()
-    from blocks import Keyring, ProxyAuth, TokenIssuer, TokenKey, TokenVerifier, TokenVerifierConfig
+    from blocks import Keyring, ProxyAuth, TokenIssuer, TokenKey, TokenVerifier
+    from blocks.tokens import TokenVerifierConfig
 
     hmac_key = TokenKey.generate("k2024", "hmac-sha256")
     ed_key = TokenKey.generate("e2024", "ed25519")

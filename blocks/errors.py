@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from blocks.fields import ENDED_HEADER
+from blocks import fields
 
 if TYPE_CHECKING:
     from blocks.tokens import TokenReason
@@ -171,7 +171,7 @@ class SessionGone(BlocksError):
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-        self.headers = [(ENDED_HEADER, reason.encode())]
+        self.headers = [(fields.ENDED_HEADER, reason.encode())]
 
 
 # -- route sources ----------------------------------------------------------------------------
@@ -225,3 +225,25 @@ class InvalidToken(Unauthorized):
     def __init__(self, reason: TokenReason) -> None:
         super().__init__(f"token rejected: {reason.value}")
         self.reason = reason
+
+
+__all__ = [
+    "BlocksError",
+    "BadRequest",
+    "Compacted",
+    "HopFailed",
+    "InvalidToken",
+    "NoRoute",
+    "PayloadTooLarge",
+    "QueueFull",
+    "QueueTimeout",
+    "RouteFileError",
+    "SessionGone",
+    "SourceError",
+    "SourceUnavailable",
+    "StreamReset",
+    "Unauthorized",
+    "UpstreamConnectError",
+    "UpstreamProtocolError",
+    "UpstreamTimeout",
+]

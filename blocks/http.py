@@ -463,3 +463,22 @@ def strip_hop_by_hop(headers: Headers, *, te_trailers: bool = False) -> Headers:
             if name not in drop or (name == b"te" and value.strip().lower() == b"trailers")
         ]
     return [(name, value) for name, value in headers if name not in drop]
+
+
+__all__ = [
+    "Body",
+    "BytesBody",
+    "IterBody",
+    "StreamBody",
+    "Request",
+    "Response",
+    "Headers",
+    "Handler",
+    "HOP_BY_HOP",
+    "abandon",
+    "empty_body",
+    "error_response",
+    "respond",
+    "strip_hop_by_hop",
+    "text_response",
+]

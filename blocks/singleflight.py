@@ -43,7 +43,7 @@ import trio
 
 from blocks._sync import one_error
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 @attrs.frozen
@@ -96,7 +96,7 @@ class SingleFlight:
     def __repr__(self) -> str:
         return f"<SingleFlight in_flight={self._in_flight} keys={len(self._flights)}>"
 
-    async def load(self, key: Hashable, loader: Callable[[], Awaitable[T]]) -> T:
+    async def load(self, key: Hashable, loader: Callable[[], Awaitable[_T]]) -> _T:
         """The value ``loader()`` gives for ``key``, loaded once for all the callers in flight.
 
         Joins the load already in flight for ``key`` if there is one (for
@@ -108,12 +108,12 @@ class SingleFlight:
         """
         flight = self._flights.get(key)
         if flight is None:
-            return cast(T, await self._wait(self._start(key, loader)))
+            return cast(_T, await self._wait(self._start(key, loader)))
         self._joins += 1
         with trio.move_on_after(self.join_timeout):
-            return cast(T, await self._wait(flight))
+            return cast(_T, await self._wait(flight))
         self._join_timeouts += 1
-        return cast(T, await self._wait(self._start(key, loader)))
+        return cast(_T, await self._wait(self._start(key, loader)))
 
     def _start(self, key: Hashable, loader: Callable[[], Awaitable[Any]]) -> _Flight:
         if self._nursery is None:
@@ -183,3 +183,10 @@ async def open_single_flight(
             finally:
                 flights._nursery = None
                 nursery.cancel_scope.cancel()
+
+
+__all__ = [
+    "SingleFlight",
+    "SingleFlightStatistics",
+    "open_single_flight",
+]

@@ -102,3 +102,11 @@ def parse_server_timing(value: str | bytes) -> dict[str, float]:
             if key == "dur":
                 out[name] = float(raw)
     return out
+
+
+__all__ = [
+    "SERVER_TIMING",
+    "Timing",
+    "add_server_timing",
+    "parse_server_timing",
+]

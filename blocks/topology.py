@@ -48,7 +48,7 @@ from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.transport.listener import HTTPServer
 from blocks.transport.tls import server_context
 
-HOST = "127.0.0.1"
+LOOPBACK = "127.0.0.1"
 
 ServeReplica = Callable[..., Awaitable[None]]
 """A ``serve_*`` function for one replica, called as ``serve(host=HOST, task_status=...)``
@@ -267,7 +267,7 @@ class Chain:
 
 
 @asynccontextmanager
-async def open_chain(*, host: str = HOST, store: EmbeddedStore | None = None) -> AsyncIterator[Chain]:
+async def open_chain(*, host: str = LOOPBACK, store: EmbeddedStore | None = None) -> AsyncIterator[Chain]:
     """An empty :class:`Chain` on ``host`` whose nursery runs every part it starts.
 
     ``store`` (default: a new, empty :class:`EmbeddedStore`) holds its
@@ -282,7 +282,7 @@ async def open_chain(*, host: str = HOST, store: EmbeddedStore | None = None) ->
 async def serve_chain(
     build: BuildChain,
     *,
-    host: str = HOST,
+    host: str = LOOPBACK,
     store: EmbeddedStore | None = None,
     announce: bool = False,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
@@ -356,3 +356,16 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> 
     if drained and not code:
         print("stopped", flush=True)
     return code
+
+
+__all__ = [
+    "LOOPBACK",
+    "BuildChain",
+    "Chain",
+    "Drainable",
+    "ServeReplica",
+    "open_chain",
+    "route_records",
+    "run_until_signal",
+    "serve_chain",
+]

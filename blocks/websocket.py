@@ -50,11 +50,12 @@ import h11
 import trio
 import trio_websocket
 
+from blocks import http
 from blocks._sync import Signal, one_error
 from blocks.errors import StreamReset
-from blocks.http import HOP_BY_HOP, Body, BytesBody, Handler, Headers, Request, Response, error_response, text_response
+from blocks.http import Body, BytesBody, Handler, Headers, Request, Response, error_response, text_response
+from blocks.transport import streams
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
-from blocks.transport.streams import KEY_FIELDS, WEBSOCKET_VERSION, new_key
 
 log = logging.getLogger("blocks.websocket")
 
@@ -62,7 +63,7 @@ WebSocketHandler = Callable[[trio_websocket.WebSocketRequest], Awaitable[None]]
 """What trio-websocket's server runs per WebSocket: ``async def handler(request) -> None``."""
 
 # The fields the replayed handshake writes itself, whatever came with the request.
-_OWN_FIELDS = frozenset({*KEY_FIELDS, b"sec-websocket-version", b"content-length", b"host"})
+_OWN_FIELDS = frozenset({*streams.KEY_FIELDS, b"sec-websocket-version", b"content-length", b"host"})
 
 
 @attrs.frozen(kw_only=True)
@@ -237,12 +238,12 @@ class _Tunnel(trio.abc.Stream):
         self._inbound = request.body
         parser = h11.Connection(h11.CLIENT)
         fields: Headers = [(b"host", request.authority)]
-        fields += [(n, v) for n, v in request.headers if n not in HOP_BY_HOP and n not in _OWN_FIELDS]
+        fields += [(n, v) for n, v in request.headers if n not in http.HOP_BY_HOP and n not in _OWN_FIELDS]
         fields += [
             (b"connection", b"Upgrade"),
             (b"upgrade", b"websocket"),
-            (b"sec-websocket-key", new_key()),
-            (b"sec-websocket-version", WEBSOCKET_VERSION),
+            (b"sec-websocket-key", streams.new_key()),
+            (b"sec-websocket-version", streams.WEBSOCKET_VERSION),
         ]
         head = parser.send(h11.Request(method=b"GET", target=request.path, headers=fields))
         self._pending = head + parser.send(h11.EndOfMessage())  # what receive_some returns first
@@ -320,13 +321,13 @@ class _Tunnel(trio.abc.Stream):
                 return
             if isinstance(event, h11.InformationalResponse):
                 if event.status_code == 101:
-                    fields = [(n, v) for n, v in event.headers if n not in HOP_BY_HOP and n not in _OWN_FIELDS]
+                    fields = [(n, v) for n, v in event.headers if n not in http.HOP_BY_HOP and n not in _OWN_FIELDS]
                     self._answer(Response(200, fields, self._out))
                     early = parser.trailing_data[0]  # frames written with the answer
                     if early:
                         self._out.put(early)
             elif isinstance(event, h11.Response):
-                self._refusal = (event.status_code, [(n, v) for n, v in event.headers if n not in HOP_BY_HOP])
+                self._refusal = (event.status_code, [(n, v) for n, v in event.headers if n not in http.HOP_BY_HOP])
             elif isinstance(event, h11.Data):
                 self._refusal_body += event.data
             elif isinstance(event, h11.EndOfMessage) and self._refusal is not None:
@@ -431,3 +432,13 @@ class _Outbound(Body):
         if not self.ended:
             self.fail()
             self.on_abandon()
+
+
+__all__ = [
+    "WebSocketApp",
+    "WebSocketConfig",
+    "WebSocketHandler",
+    "WebSocketStatistics",
+    "open_websocket_app",
+    "serve_websocket_app",
+]

@@ -29,17 +29,9 @@ import functools
 import attrs
 import trio
 
-from blocks import (
-    AppSettings,
-    Chain,
-    MirrorConfig,
-    MirrorPair,
-    MirrorSetting,
-    MirrorStatistics,
-    run_until_signal,
-    serve_chain,
-    serve_http,
-)
+from blocks import Chain, MirrorConfig, run_until_signal, serve_chain, serve_http
+from blocks.mirror import MirrorPair, MirrorStatistics
+from blocks.routing import AppSettings, MirrorSetting
 from blocks.testing import send_shop_traffic, shop_app
 
 

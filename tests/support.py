@@ -28,7 +28,6 @@ import trio_websocket
 
 from blocks import (
     Chain,
-    H2ConnectionStatistics,
     HTTPServer,
     ListenerConfig,
     LocalReplica,
@@ -36,7 +35,6 @@ from blocks import (
     Request,
     Response,
     RouteCache,
-    RouteEvent,
     SchedulerConfig,
     UpstreamConfig,
     route_records,
@@ -45,6 +43,8 @@ from blocks import (
     text_response,
 )
 from blocks._sync import one_error
+from blocks.store import RouteEvent
+from blocks.transport.streams import H2ConnectionStatistics
 
 HOST = "127.0.0.1"
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

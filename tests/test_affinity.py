@@ -18,21 +18,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import (
-    AffinityHash,
-    LocalReplica,
-    Replica,
-    Request,
-    RouteCache,
-    RouteEvent,
-    encode_domain,
-    encode_replica,
-    open_upstreams,
-    route_key_for_domain,
-    route_key_for_replica,
-    serve_proxy,
-    serve_worker,
-)
+from blocks import LocalReplica, Replica, Request, RouteCache, open_upstreams, serve_proxy, serve_worker
+from blocks.routing import AffinityHash
+from blocks.store import RouteEvent, encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
 from blocks.testing import serve_demo_replica
 
 WORKER = ("127.0.0.1", 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -64,8 +65,60 @@ def test_the_sans_io_list_names_real_modules() -> None:
     assert len(names) == len(_sans_io_modules())
 
 
-NAMESPACES = [blocks, blocks.testing]
-"""The public namespaces: what a proxy author types (``blocks``), and the demo apps and test helpers."""
+NAMESPACES = [
+    importlib.import_module(name)
+    for name in (
+        "blocks",
+        "blocks.errors",
+        "blocks.fields",
+        "blocks.hops",
+        "blocks.http",
+        "blocks.mirror",
+        "blocks.prober",
+        "blocks.routing",
+        "blocks.scheduler",
+        "blocks.sessions",
+        "blocks.singleflight",
+        "blocks.sources",
+        "blocks.store",
+        "blocks.testing",
+        "blocks.timing",
+        "blocks.tokens",
+        "blocks.topology",
+        "blocks.transport",
+        "blocks.transport.listener",
+        "blocks.transport.multiplexer",
+        "blocks.transport.streams",
+        "blocks.transport.tls",
+        "blocks.websocket",
+    )
+]
+"""The public namespaces: what a proxy author types (``blocks``), each block's whole API, the store's
+vocabulary (``blocks.store``), and the demo apps and test helpers (``blocks.testing``)."""
+
+EXPORTED = {name for namespace in NAMESPACES for name in namespace.__all__}
+MAX_ROOT_NAMES = 90
+
+
+def test_the_root_namespace_is_what_a_proxy_author_types() -> None:
+    """About 80 names; the store's codecs and the test helpers live in their own namespaces."""
+    assert len(blocks.__all__) <= MAX_ROOT_NAMES, len(blocks.__all__)
+    assert not set(blocks.__all__) & set(importlib.import_module("blocks.store").__all__)
+
+
+def test_every_public_module_is_a_listed_namespace() -> None:
+    """Each block's package, each top-level module and each public transport module has ``__all__`` and is listed."""
+    listed = {namespace.__name__ for namespace in NAMESPACES}
+    public = set()
+    for path in BLOCKS.rglob("*.py"):
+        parts = path.relative_to(BLOCKS).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if any(part.startswith("_") for part in parts) or (len(parts) > 1 and parts[0] != "transport"):
+            continue  # private, or a module inside a block's package (its package is the namespace)
+        public.add(".".join(("blocks", *parts)))
+    public -= {"blocks.routectl"}  # a command, not a namespace
+    assert public <= listed, sorted(public - listed)
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
@@ -80,12 +133,23 @@ def test_nothing_private_is_exported(namespace: types.ModuleType) -> None:
     assert [name for name in namespace.__all__ if name.startswith("_")] == []
 
 
+def _defined_in(namespace: types.ModuleType, value: object) -> bool:
+    """Whether ``value`` belongs to ``namespace``: defined there (or, for a package, in its modules); every constant."""
+    module = getattr(value, "__module__", None)
+    if module is None or module == namespace.__name__:
+        return True
+    return hasattr(namespace, "__path__") and module.startswith(namespace.__name__ + ".")
+
+
 @pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
 def test_the_package_defines_nothing_public_beyond_all(namespace: types.ModuleType) -> None:
     public = {
         name
         for name, value in vars(namespace).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and name not in ("annotations", "TYPE_CHECKING")
+        and _defined_in(namespace, value)
     }
     assert public <= set(namespace.__all__), sorted(public - set(namespace.__all__))
 
@@ -168,9 +232,8 @@ def _named_types(annotation: object) -> set[str]:
 
 @pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
 def test_every_type_a_public_signature_names_is_exported(namespace: types.ModuleType) -> None:
-    """What a public function or method takes or returns, a user can import from ``blocks`` (or, for
-    ``blocks.testing``, from ``blocks`` or ``blocks.testing``)."""
-    exported = set(blocks.__all__) | set(namespace.__all__)
+    """What a public function or method takes or returns, a user can import from a public namespace."""
+    exported = EXPORTED
     ours = {
         name
         for module_name, module in list(sys.modules.items())
@@ -259,18 +322,21 @@ def _third_party_or_stdlib(module: str) -> bool:
     return top not in ("blocks", "recipes", "tests", "bench", "support", "_harness")
 
 
+PUBLIC = {namespace.__name__ for namespace in NAMESPACES}
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_a_recipe_imports_only_public_names(path: Path) -> None:
-    """``blocks`` and ``blocks.testing`` (no private name), the standard library and third parties."""
+    """Public namespaces of ``blocks`` (no private module or name), the standard library and third parties."""
     stray = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if not (alias.name in ("blocks", "blocks.testing") or _third_party_or_stdlib(alias.name)):
+                if not (alias.name in PUBLIC or _third_party_or_stdlib(alias.name)):
                     stray.append(alias.name)
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            if node.level or not (module in ("blocks", "blocks.testing") or _third_party_or_stdlib(module)):
+            if node.level or not (module in PUBLIC or _third_party_or_stdlib(module)):
                 stray.append(f"from {'.' * node.level}{module}")
             stray += [f"{module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert stray == [], f"{path.name} imports {stray}"

@@ -18,7 +18,8 @@ import pytest
 import trio
 from support import HOST, RawH2Client, curl, wait_for
 
-from blocks import encode_domain, encode_replica, parse_server_timing, route_key_for_domain, route_key_for_replica
+from blocks import parse_server_timing
+from blocks.store import encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
 from recipes.chain import Chain, main
 
 PHASES = {"app", "worker", "proxy-route", "proxy", "edge", "total"}

@@ -36,16 +36,8 @@ from support import (
 )
 
 import recipes.noisy_neighbour
-from blocks import (
-    Chain,
-    LocalReplica,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerStatistics,
-    TenantPolicy,
-    UpstreamConfig,
-    serve_chain,
-)
+from blocks import Chain, LocalReplica, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
+from blocks.scheduler import Scheduler, SchedulerStatistics
 from recipes.chain import main as chain_main
 
 SMALL = SchedulerConfig(

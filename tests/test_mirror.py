@@ -23,7 +23,6 @@ import pytest
 import trio
 
 from blocks import (
-    AppSettings,
     EdgeConfig,
     EmbeddedStore,
     HTTPServer,
@@ -31,23 +30,14 @@ from blocks import (
     ListenerConfig,
     LocalReplica,
     MirrorConfig,
-    MirrorPair,
-    MirrorSetting,
     Proxy,
     Replica,
     Request,
     Response,
     RouteCache,
     RouteTable,
-    Sampler,
     Upstreams,
-    decode_settings,
-    encode_domain,
-    encode_settings,
     open_upstreams,
-    reconcile,
-    route_key_for_domain,
-    route_key_for_settings,
     serve_edge,
     serve_http,
     serve_proxy,
@@ -55,8 +45,12 @@ from blocks import (
     text_response,
 )
 from blocks.http import Body, BytesBody
+from blocks.mirror import MirrorPair, Sampler
 from blocks.mirror._core import BodyDigest, ComparisonBook, Observation, TeeBudget, TeeBuffer, compare, key_point
+from blocks.routing import AppSettings, MirrorSetting
+from blocks.sources import reconcile
 from blocks.sources.routefile import document_from_routes, dump_toml, parse_route_file
+from blocks.store import decode_settings, encode_domain, encode_settings, route_key_for_domain, route_key_for_settings
 from tests.support import RawH2Client, wait_for
 
 HOST = "127.0.0.1"

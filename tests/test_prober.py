@@ -23,25 +23,27 @@ from hypothesis import strategies as st
 
 import blocks
 from blocks import (
+    LocalReplica,
+    ProberConfig,
+    Replica,
+    Request,
+    RouteTable,
+    Upstreams,
+    open_upstreams,
+    serve_proxy,
+    serve_worker,
+)
+from blocks.prober import (
     LOAD_PATH,
     PROBE_HEADER,
     AutoscaleConfig,
     AutoscaleSignal,
     LoadEstimator,
-    LocalReplica,
     ProberAware,
-    ProberConfig,
-    Replica,
     ReplicaLoad,
-    Request,
-    RouteTable,
-    Upstreams,
     encode_load,
     open_prober,
-    open_upstreams,
     parse_load,
-    serve_proxy,
-    serve_worker,
 )
 from tests.support import HOST, assemble_local, closed_port, curl, serve_tenant_replica, wait_for
 

@@ -14,16 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import (
-    LeastInFlight,
-    PowerOfTwo,
-    Replica,
-    Request,
-    RoundRobin,
-    RouteCache,
+from blocks import LeastInFlight, Replica, Request, RouteCache, Routes, RouteTable
+from blocks.routing import PowerOfTwo, RoundRobin
+from blocks.store import (
     RouteEvent,
-    Routes,
-    RouteTable,
     decode_domain,
     decode_replica,
     encode_domain,

@@ -19,19 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from blocks import (
-    FairQueue,
-    Grant,
-    QueueFull,
-    QueueTimeout,
-    Scheduler,
-    SchedulerConfig,
-    TenantPolicy,
-    Ticket,
-    header_tenant,
-    open_scheduler,
-)
+from blocks import SchedulerConfig, TenantPolicy, header_tenant
+from blocks.errors import QueueFull, QueueTimeout
 from blocks.http import Request
+from blocks.scheduler import FairQueue, Grant, Scheduler, Ticket, open_scheduler
 
 # -- helpers --------------------------------------------------------------------------------
 

@@ -27,8 +27,6 @@ import trio
 from support import HOST, wait_for
 
 from blocks import (
-    AutoscaleConfig,
-    AutoscaleSignal,
     EdgeConfig,
     HTTPServer,
     Keyring,
@@ -53,6 +51,7 @@ from blocks import (
     serve_worker,
     text_response,
 )
+from blocks.prober import AutoscaleConfig, AutoscaleSignal
 
 KEY = TokenKey.hmac("k1", bytes(range(32)))
 ISSUER = TokenIssuer(KEY)

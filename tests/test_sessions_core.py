@@ -16,17 +16,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from blocks import (
-    QueueFull,
-    QueueTimeout,
-    Replica,
-    SessionConfig,
-    SessionGone,
-    SessionPlacer,
-    SessionTicket,
-    SessionTracker,
-    WorkerSessionConfig,
-)
+from blocks import Replica, SessionConfig, WorkerSessionConfig
+from blocks.errors import QueueFull, QueueTimeout, SessionGone
+from blocks.sessions import SessionPlacer, SessionTicket, SessionTracker
 
 APP = "chat"
 WORKER = ("127.0.0.1", 9000)

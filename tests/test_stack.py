@@ -25,7 +25,6 @@ from blocks import (
     Hop,
     NoRoute,
     OutlierConfig,
-    OutlierDetector,
     Proxy,
     Replica,
     Request,
@@ -33,6 +32,7 @@ from blocks import (
     Upstreams,
 )
 from blocks.fields import REPLICA_HEADER
+from blocks.routing import OutlierDetector
 
 NO_UPSTREAMS = cast(Upstreams, None)  # deciding never touches the pool
 

@@ -23,19 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import (
-    BlocksError,
-    InvalidToken,
-    Keyring,
-    ProxyAuth,
-    TokenClaims,
-    TokenIssuer,
-    TokenKey,
-    TokenReason,
-    TokenVerifier,
-    TokenVerifierConfig,
-    Unauthorized,
-)
+from blocks import BlocksError, Keyring, ProxyAuth, TokenIssuer, TokenKey, TokenVerifier, Unauthorized
+from blocks.errors import InvalidToken
+from blocks.tokens import TokenClaims, TokenReason, TokenVerifierConfig
 
 NOW = 1_700_000_000.0
 SECRET = bytes(range(32))

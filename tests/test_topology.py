@@ -18,19 +18,15 @@ import pytest
 import trio
 from support import HOST, curl
 
-from blocks import (
-    AppSettings,
-    Chain,
-    LocalReplica,
-    MirrorSetting,
+from blocks import Chain, LocalReplica, route_records, serve_chain
+from blocks.routing import AppSettings, MirrorSetting
+from blocks.store import (
     decode_domain,
     decode_replica,
     decode_settings,
     route_key_for_domain,
     route_key_for_replica,
     route_key_for_settings,
-    route_records,
-    serve_chain,
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -42,8 +42,6 @@ from blocks import (
     ListenerConfig,
     LocalReplica,
     OutlierConfig,
-    OutlierDetector,
-    OutlierStatistics,
     Replica,
     Request,
     RouteTable,
@@ -57,6 +55,7 @@ from blocks import (
     serve_proxy,
     serve_worker,
 )
+from blocks.routing import OutlierDetector, OutlierStatistics
 from tests.support import HOST, RawH2Client, closed_port, record_relays, serve_tenant_replica, wait_for
 
 REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM

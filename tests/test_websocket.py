@@ -48,7 +48,6 @@ from blocks import (
     RouteTable,
     UpstreamConfig,
     WebSocketConfig,
-    open_websocket_app,
     serve_edge,
     serve_http,
     serve_proxy,
@@ -58,6 +57,7 @@ from blocks import (
 )
 from blocks.testing import serve_demo_replica, websocket_echo
 from blocks.transport._h2 import BACKLOG_HIGH, H2Driver
+from blocks.websocket import open_websocket_app
 
 MiB = 1 << 20
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="  # RFC 6455's sample key

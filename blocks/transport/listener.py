@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blocks.listener")
 
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
 def _none_or_at_least(minimum: float) -> Any:
@@ -227,16 +227,16 @@ class _Connection:
         else:
             scheme = b"http"
             with trio.move_on_after(config.first_bytes_timeout) as sniffing:
-                while len(initial) < len(H2_PREFACE):
+                while len(initial) < len(_H2_PREFACE):
                     data = await transport.receive_some(65536)
                     if not data:
                         return
                     initial += data
-                    if not H2_PREFACE.startswith(initial[: len(H2_PREFACE)]):
+                    if not _H2_PREFACE.startswith(initial[: len(_H2_PREFACE)]):
                         break
-            if not initial or (sniffing.cancelled_caught and H2_PREFACE.startswith(initial)):
+            if not initial or (sniffing.cancelled_caught and _H2_PREFACE.startswith(initial)):
                 return  # nothing, or a preface too slow to finish: close silently
-            is_h2 = initial.startswith(H2_PREFACE)
+            is_h2 = initial.startswith(_H2_PREFACE)
         if is_h2:
             self.proto = H2ServerConnection(
                 transport, server.handler, config, client=client, scheme=scheme, relay=server.relay
@@ -306,3 +306,11 @@ async def serve_http(
     sockname = listeners[0].socket.getsockname()
     server = HTTPServer(handler, config, ssl_context, relay, upstreams, port=sockname[1], host=host)
     await server._serve(listeners, task_status)
+
+
+__all__ = [
+    "HTTPServer",
+    "ListenerConfig",
+    "ServerStatistics",
+    "serve_http",
+]

@@ -17,3 +17,8 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     context.load_cert_chain(cert, key)
     context.set_alpn_protocols(["h2", "http/1.1"])
     return context
+
+
+__all__ = [
+    "server_context",
+]
