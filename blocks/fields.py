@@ -18,6 +18,15 @@ REPLICA_HEADER = b"x-proxyblocks-replica"
 """Written by the proxy (its route or a session's pin): the replica it picked.
 Read, and removed, by the worker, which forwards the request to that replica."""
 
+TARGET_HEADER = b"x-proxyblocks-target"
+"""Written by the proxy beside :data:`REPLICA_HEADER`: how the worker reaches
+that replica, as its route entry says (``h2 host:port`` or ``h1 host:port``,
+:attr:`~blocks.routing.Replica.target`). Read, and removed, by the worker for
+a replica it is not configured with, so a route file or an etcd entry naming
+any server works; a replica the worker is configured with is reached as
+configured. A worker forwards wherever this field says: like every internal
+listener, it must only be reachable from the proxies."""
+
 SESSION_HEADER = b"x-proxyblocks-session"
 """Written by the proxy for a request of a session (its id, from the signed
 session token). Read by the worker, which counts the request in that session
@@ -56,4 +65,5 @@ __all__ = [
     "REPLICA_HEADER",
     "SESSIONS_PATH",
     "SESSION_HEADER",
+    "TARGET_HEADER",
 ]

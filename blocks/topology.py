@@ -39,6 +39,7 @@ from blocks.routing import (
     encode_domain,
     encode_replica,
     encode_settings,
+    parse_address,
     route_key_for_domain,
     route_key_for_replica,
     route_key_for_settings,
@@ -56,6 +57,29 @@ ServeReplica = Callable[..., Awaitable[None]]
 
 BuildChain = Callable[["Chain"], Awaitable[None]]
 """What :func:`serve_chain` calls to start a chain's parts, in order."""
+
+
+REPLICA_SCHEMES = {"http": "h1", "h2c": "h2"}
+"""The schemes :func:`replica_from_url` takes, and the protocol the worker speaks for each."""
+
+
+def replica_from_url(url: str) -> LocalReplica:
+    """A server of yours as a replica: ``http://host:port`` (HTTP/1.1) or ``h2c://host:port`` (HTTP/2, prior knowledge).
+
+    Raises ``ValueError`` saying what is wrong: another scheme (``https``
+    replicas are not supported yet), a path, or a missing or bad port.
+    """
+    scheme, sep, rest = url.partition("://")
+    protocol = REPLICA_SCHEMES.get(scheme.lower())
+    if not sep or protocol is None:
+        raise ValueError(f"{url!r}: a replica URL is http://host:port or h2c://host:port")
+    if rest.rstrip("/").count("/"):
+        raise ValueError(f"{url!r}: a replica URL names a server, not a path")
+    try:
+        address = parse_address(rest.rstrip("/"))
+    except ValueError:
+        raise ValueError(f"{url!r}: a replica URL needs a host and a port (1-65535)") from None
+    return LocalReplica(address, protocol)
 
 
 def route_records(
@@ -360,11 +384,13 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> 
 
 __all__ = [
     "LOOPBACK",
+    "REPLICA_SCHEMES",
     "BuildChain",
     "Chain",
     "Drainable",
     "ServeReplica",
     "open_chain",
+    "replica_from_url",
     "route_records",
     "run_until_signal",
     "serve_chain",

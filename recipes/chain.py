@@ -5,8 +5,10 @@ Run it:
     python -m recipes.chain                 # prints: edge listening on http://127.0.0.1:PORT
     python -m recipes.chain --port 8080 --replicas 3 --replica-protocol h1
     python -m recipes.chain --tls           # also prints the certificate for curl --cacert
+    python -m recipes.chain --replica http://127.0.0.1:8000 --replica h2c://127.0.0.1:9000
+                                            # your own servers behind the chain, not the demo replicas
 
-Poke it (any authority routes to the demo app):
+Poke it (any authority routes to the demo app, or to your ``--replica`` servers):
 
     curl -i http://127.0.0.1:PORT/                         # x-replica, server-timing
     curl -i --http2-prior-knowledge http://127.0.0.1:PORT/
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
 from blocks import Chain, SchedulerConfig, TenantPolicy, UpstreamConfig, run_until_signal, serve_chain
+from blocks.topology import replica_from_url
 
 __all__ = ["FAIR", "Chain", "main"]
 
@@ -56,6 +60,7 @@ async def main(
     cert_dir: Path | None = None,
     scheduler: SchedulerConfig | None = FAIR,
     routes_file: Path | None = None,
+    replica_urls: Sequence[str] = (),
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -63,15 +68,18 @@ async def main(
 
     The proxy routes from a route cache that follows the chain's embedded
     store, holding ``* -> demo -> every replica`` (or, with ``routes_file``,
-    that file's routes, reloaded when it changes). With ``announce`` (the
-    default) it prints ``edge listening on URL`` then.
+    that file's routes, reloaded when it changes). With ``replica_urls``
+    (``http://`` or ``h2c://host:port``), those servers are the replicas
+    instead of ``replicas`` demo ones. With ``announce`` (the default) it
+    prints ``edge listening on URL`` then.
     """
     if replicas < 1:
         raise ValueError("--replicas must be at least 1")
+    yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(replica_urls)}
 
     async def build(chain: Chain) -> None:
         names = [f"replica-{i}" for i in range(replicas)]
-        local = {name: await chain.start_replica(name, protocol=replica_protocol) for name in names}
+        local = yours or {name: await chain.start_replica(name, protocol=replica_protocol) for name in names}
         upstream = UpstreamConfig(response_timeout=replica_timeout)
         await chain.start_worker(local, app=None if routes_file else "demo", upstream=upstream)
         if routes_file is not None:
@@ -96,7 +104,15 @@ def run() -> None:
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get on shutdown")
     parser.add_argument("--routes", type=Path, help="a TOML or JSON route file to load and follow (docs/sources.md)")
+    parser.add_argument(
+        "--replica", action="append", default=[], metavar="URL", help="your server: http:// or h2c://host:port"
+    )
     args = parser.parse_args()
+    for url in args.replica:
+        try:
+            replica_from_url(url)
+        except ValueError as exc:
+            parser.error(f"--replica {exc}")
     start = functools.partial(
         main,
         port=args.port,
@@ -106,6 +122,7 @@ def run() -> None:
         replica_timeout=args.replica_timeout,
         scheduler=None if args.no_scheduler else FAIR,
         routes_file=args.routes,
+        replica_urls=args.replica,
     )
     run_until_signal(start, grace=args.grace)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import re
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -620,3 +621,23 @@ async def connect_websocket(
                 with trio.move_on_after(5):
                     await ws.aclose()
                 nursery.cancel_scope.cancel()
+
+
+class Lines:
+    """A process's stdout, read up to the line we wait for."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.text = ""
+
+    async def until(self, pattern: str) -> re.Match[str]:
+        while (match := re.search(pattern, self.text, re.MULTILINE)) is None:
+            chunk = await self.stream.receive_some()
+            assert chunk, f"the process ended before printing {pattern!r}: {self.text!r}"
+            self.text += chunk.decode()
+        return match
+
+    async def rest(self) -> str:
+        while chunk := await self.stream.receive_some():
+            self.text += chunk.decode()
+        return self.text

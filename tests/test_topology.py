@@ -8,7 +8,6 @@ lines it prints, never for a duration.
 from __future__ import annotations
 
 import functools
-import re
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from support import HOST, curl
+from support import HOST, Lines, curl
 
 from blocks import Chain, LocalReplica, route_records, serve_chain
 from blocks.routing import AppSettings, MirrorSetting
@@ -102,26 +101,6 @@ async def build(chain):
 run_until_signal(functools.partial(serve_chain, build, announce=True), grace=60)
 """
 """A chain whose replica holds every request: a drain waits for it (up to 60 s)."""
-
-
-class Lines:
-    """A process's stdout, read up to the line we wait for."""
-
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self.stream = stream
-        self.text = ""
-
-    async def until(self, pattern: str) -> re.Match[str]:
-        while (match := re.search(pattern, self.text, re.MULTILINE)) is None:
-            chunk = await self.stream.receive_some()
-            assert chunk, f"the process ended before printing {pattern!r}: {self.text!r}"
-            self.text += chunk.decode()
-        return match
-
-    async def rest(self) -> str:
-        while chunk := await self.stream.receive_some():
-            self.text += chunk.decode()
-        return self.text
 
 
 async def _start(nursery: trio.Nursery) -> tuple[trio.Process, Lines]:

@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from blocks.errors import BlocksError, NoRoute, Unauthorized
-from blocks.fields import REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
+from blocks.fields import REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
@@ -91,6 +91,7 @@ class SessionPin(Feature):
             *exchange.request.headers,
             self._via,
             (SESSION_HEADER, session.encode()),
+            (TARGET_HEADER, replica.target),
             (REPLICA_HEADER, name.encode()),
         ]
         return Forward(replica.worker, headers)
@@ -145,7 +146,8 @@ class Router(Feature):
 
     No app, or no live replica: :class:`~blocks.errors.NoRoute` (503),
     counted. The lookup and the pick are timed as ``<proxy>-route``. The
-    request goes to the replica's worker with ``via`` and, last,
+    request goes to the replica's worker with ``via``,
+    ``x-proxyblocks-target`` (how the worker reaches it) and
     ``x-proxyblocks-replica``; ``exchange.picked`` is the replica.
     """
 
@@ -176,7 +178,8 @@ class Router(Feature):
         exchange.timing.phase(self._phase, perf_counter() - start)
         exchange.picked = replica
         name = exchange.replica = replica.name
-        return Forward(replica.worker, [*request.headers, self._via, (REPLICA_HEADER, name.encode())])
+        headers = [*request.headers, self._via, (TARGET_HEADER, replica.target), (REPLICA_HEADER, name.encode())]
+        return Forward(replica.worker, headers)
 
 
 class InFlight(Feature):

@@ -10,11 +10,12 @@ import attrs
 import trio
 
 from blocks.errors import NoRoute
-from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
+from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop
 from blocks.hops.proxy import InFlight
 from blocks.http import Response
 from blocks.prober import ReplicaLoad, load_response
+from blocks.routing import parse_address
 from blocks.sessions import SessionGone, SessionTracker, WorkerSessionConfig, session_control_response
 from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
@@ -72,40 +73,65 @@ class Probes(Feature):
 
 
 class LocalRoute(Feature):
-    """route: the local replica ``x-proxyblocks-replica`` names (read by name, and removed).
+    """route: the replica ``x-proxyblocks-replica`` names (read by name, and removed).
 
-    An unknown name is a :class:`~blocks.errors.NoRoute` (503); without the
-    field, a worker with exactly one replica uses it (so it can be called
-    directly). ``x-proxyblocks-session``, when the proxy sent one, becomes
+    A replica this worker is configured with is reached as configured.
+    Another is reached where the proxy's ``x-proxyblocks-target`` says (its
+    route entry's address and protocol), so a route file or an etcd entry
+    naming any server works. A name with neither is a
+    :class:`~blocks.errors.NoRoute` (503); without the field, a worker with
+    exactly one replica uses it (so it can be called directly).
+    ``x-proxyblocks-session``, when the proxy sent one, becomes
     ``exchange.session`` and goes on to the replica.
     """
 
     def __init__(self, replicas: Mapping[str, LocalReplica], name: str) -> None:
         self.replicas = {key.encode(): value for key, value in replicas.items()}
+        self._targets: dict[bytes, LocalReplica] = {}  # parsed x-proxyblocks-target values, bounded
         self._via = (b"via", b"2 " + name.encode())
 
     def route(self, exchange: Exchange) -> Forward:
         headers = exchange.request.headers
         fields = dict(headers)  # by name; the proxy writes each of its fields once
         key = fields.get(REPLICA_HEADER)
-        if key is None:
+        wire = fields.get(TARGET_HEADER)
+        if key is None and wire is None:
             headers = headers.copy()
-        elif headers[-1][0] == REPLICA_HEADER:  # where the proxy puts it: drop it without a scan
-            headers = headers[:-1]
+        elif len(headers) > 1 and headers[-1][0] == REPLICA_HEADER and headers[-2][0] == TARGET_HEADER:
+            headers = headers[:-2]  # where the proxy puts them: drop them without a scan
         else:
-            headers = [field for field in headers if field[0] != REPLICA_HEADER]
+            headers = [field for field in headers if field[0] != REPLICA_HEADER and field[0] != TARGET_HEADER]
         name = key or b""
         target = self.replicas.get(name)
         if target is None:
-            if key or len(self.replicas) != 1:
+            if wire is not None and key:
+                target = self._target(wire)
+            elif key or len(self.replicas) != 1:
                 raise NoRoute(f"replica {key!r} is not on this worker")
-            name, target = next(iter(self.replicas.items()))
+            else:
+                name, target = next(iter(self.replicas.items()))
         headers.append(self._via)
         exchange.replica = name.decode()
         session = fields.get(SESSION_HEADER)
         if session is not None:
             exchange.session = session.decode("ascii", "replace")
         return Forward(target.address, headers, protocol=target.protocol)
+
+    def _target(self, wire: bytes) -> LocalReplica:
+        target = self._targets.get(wire)
+        if target is None:
+            protocol, _, address = wire.decode("latin-1").partition(" ")
+            try:
+                target = LocalReplica(parse_address(address), protocol)
+            except ValueError as exc:
+                raise NoRoute(f"the proxy named an unusable replica target {wire!r}") from exc
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()  # a fleet's replicas come back at once; a flood of names cannot grow it
+            self._targets[wire] = target
+        return target
+
+
+_MAX_TARGETS = 4096
 
 
 class SessionCount(Feature):

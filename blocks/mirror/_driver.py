@@ -59,7 +59,7 @@ import trio
 
 from blocks._sync import one_error
 from blocks.errors import BlocksError, UpstreamTimeout
-from blocks.fields import INTERNAL_PREFIX, MIRROR_HEADER, REPLICA_HEADER
+from blocks.fields import INTERNAL_PREFIX, MIRROR_HEADER, REPLICA_HEADER, TARGET_HEADER
 from blocks.http import Headers, Request, StreamBody
 from blocks.mirror._core import (
     BodyDigest,
@@ -284,7 +284,7 @@ class Mirror:
             replica = self._policy.pick(request, candidates, self.in_flight)
             address: Address = replica.worker
             target = replica.name
-            shadow_headers.append((REPLICA_HEADER, target.encode()))
+            shadow_headers += [(TARGET_HEADER, replica.target), (REPLICA_HEADER, target.encode())]
         else:
             assert setting.address is not None
             address = setting.address

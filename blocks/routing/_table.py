@@ -34,6 +34,14 @@ class Replica:
     protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
     capacity: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
     state: str = attrs.field(default="live", validator=attrs.validators.in_(STATES))
+    target: bytes = attrs.field(init=False, eq=False, repr=False)
+    """How the worker reaches it, as the proxy tells the worker (``x-proxyblocks-target``):
+    ``<protocol> <host:port>``, made once here so a request pays an attribute read."""
+
+    @target.default
+    def _target(self) -> bytes:
+        host, port = self.address
+        return f"{self.protocol} [{host}]:{port}".encode() if ":" in host else f"{self.protocol} {host}:{port}".encode()
 
 
 class Routes(Protocol):
