@@ -101,6 +101,7 @@ from blocks.tokens import (
 )
 from blocks.topology import (
     Chain,
+    CommandParser,
     open_chain,
     route_records,
     run_until_signal,
@@ -215,6 +216,7 @@ __all__ = [
     "WebSocketConfig",
     # topology kit
     "Chain",
+    "CommandParser",
     "open_chain",
     "serve_chain",
     "route_records",

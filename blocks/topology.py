@@ -20,13 +20,16 @@ worker, only a proxy) uses the same steps as a chain in one process.
 
 from __future__ import annotations
 
+import argparse
 import functools
+import math
 import signal
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import trio
@@ -333,6 +336,49 @@ class Drainable(Protocol):
     async def shutdown(self, grace: float) -> None: ...
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The command line of a proxyblocks command: a bad flag is one line, ``proxyblocks: error: ...``, and exit code 2.
+
+    (argparse would print its usage first; ``--help`` still shows it, with every default.)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"proxyblocks: error: {message}\n")
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, 0 (any free port) to 65535."""
+    if not (text.isascii() and text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return int(text)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number, ``minimum`` or more."""
+
+    def parse(text: str) -> int:
+        if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and int(text) >= minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
+        return int(text)
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
+
+
 def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10.0) -> None:
     """Run ``start`` (a ``serve_*``-style function reporting a :class:`Drainable`) until SIGINT or SIGTERM.
 
@@ -341,15 +387,39 @@ def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10
     returns (exit status 0). A second signal while draining prints
     ``stopping now`` and cancels everything at once; the process then exits
     with 128 + the signal's number (130 for SIGINT), with no traceback. If
-    ``start`` ends by itself, so does this (printing nothing); an error it
-    raises propagates.
+    ``start`` ends by itself, so does this (printing nothing). If it fails
+    before it reports (a port in use, a route file that does not load: an
+    ``OSError`` or a ``ValueError``), that is one line on stderr,
+    ``proxyblocks: error: ...``, and exit code 2; an error after that
+    propagates.
     """
     try:
         code = trio.run(_until_signal, start, grace)
     except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place, or after
         code = 128 + signal.SIGINT
+    except BaseException as exc:
+        failed = _one_cause(exc)  # (the nurseries on the way out wrap it)
+        if not isinstance(failed, _StartFailed):
+            raise
+        reason = failed.reason
+        text = reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)
+        print(f"proxyblocks: error: {text}", file=sys.stderr, flush=True)
+        code = 2
     if code:
         raise SystemExit(code)
+
+
+class _StartFailed(Exception):
+    def __init__(self, reason: BaseException) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
+
+
+def _one_cause(error: BaseException) -> BaseException:
+    """The one error inside nested exception groups of one (what nurseries wrap), else ``error`` itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> int:
@@ -369,7 +439,13 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> 
                     code = 128 + signum
                     nursery.cancel_scope.cancel()
 
-            target: Drainable = await nursery.start(serve)
+            try:
+                target: Drainable = await nursery.start(serve)
+            except BaseException as exc:
+                cause = _one_cause(exc)
+                if isinstance(cause, OSError | ValueError):
+                    raise _StartFailed(cause) from None
+                raise
             async for _ in signals:
                 break
             print("draining...", flush=True)
@@ -387,11 +463,15 @@ __all__ = [
     "REPLICA_SCHEMES",
     "BuildChain",
     "Chain",
+    "CommandParser",
     "Drainable",
     "ServeReplica",
+    "at_least",
     "open_chain",
+    "port_number",
     "replica_from_url",
     "route_records",
     "run_until_signal",
+    "seconds",
     "serve_chain",
 ]

@@ -29,15 +29,14 @@ A second Ctrl-C stops at once.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
-from blocks import Chain, SchedulerConfig, TenantPolicy, UpstreamConfig, run_until_signal, serve_chain
-from blocks.topology import replica_from_url
+from blocks import Chain, CommandParser, SchedulerConfig, TenantPolicy, UpstreamConfig, run_until_signal, serve_chain
+from blocks.topology import at_least, port_number, replica_from_url, seconds
 
 __all__ = ["FAIR", "Chain", "main"]
 
@@ -93,16 +92,18 @@ async def main(
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(prog="python -m recipes.chain", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0, help="edge port (0: any free port)")
-    parser.add_argument("--replicas", type=int, default=2, help="demo replicas behind the worker")
+    parser = CommandParser(prog="python -m recipes.chain", description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=port_number, default=0, help="edge port (0: any free port)")
+    parser.add_argument("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a generated self-signed certificate")
     parser.add_argument("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> replica protocol")
-    parser.add_argument("--replica-timeout", type=float, default=30.0, help="seconds before a silent replica is a 504")
+    parser.add_argument(
+        "--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504"
+    )
     parser.add_argument(
         "--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler"
     )
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds requests in flight get on shutdown")
+    parser.add_argument("--grace", type=seconds, default=10.0, help="seconds requests in flight get on shutdown")
     parser.add_argument("--routes", type=Path, help="a TOML or JSON route file to load and follow (docs/sources.md)")
     parser.add_argument(
         "--replica", action="append", default=[], metavar="URL", help="your server: http:// or h2c://host:port"

@@ -30,7 +30,6 @@ a second Ctrl-C stops at once.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import secrets
 import time
@@ -40,6 +39,7 @@ import trio
 
 from blocks import (
     Chain,
+    CommandParser,
     Keyring,
     SessionConfig,
     TokenIssuer,
@@ -115,7 +115,7 @@ async def main(
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(prog="python -m recipes.chat", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="python -m recipes.chat", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0, help="edge port (0: any free port)")
     parser.add_argument("--replicas", type=int, default=2, help="chat replicas behind the worker")
     parser.add_argument("--rooms-per-replica", type=int, default=8, help="sessions (rooms) one replica hosts")

@@ -42,7 +42,7 @@ import attrs
 import trio
 from trio import TaskStatus
 
-from blocks import Chain, EtcdSource, route_records, run_until_signal, serve_chain
+from blocks import Chain, CommandParser, EtcdSource, route_records, run_until_signal, serve_chain
 from blocks.testing import run_child_process, serve_etcd
 
 PROGRESS_INTERVAL = 1.0  # s: an idle watch hears from the etcd this starts that often; one silent for 3 is reopened
@@ -125,7 +125,7 @@ async def main(
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(prog="python -m recipes.fleet", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="python -m recipes.fleet", description=__doc__.splitlines()[0])
     parser.add_argument("--etcd", metavar="URL", help="use this etcd instead of starting one")
     parser.add_argument("--progress-interval", type=float, help="etcd progress notify interval, s (1, or etcd's 600)")
     parser.add_argument("--proxies", type=int, default=2, help="proxy processes (default: 2)")

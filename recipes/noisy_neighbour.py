@@ -22,13 +22,12 @@ refused with 429 or 503) and ``quiet`` keeps its solo latency; without it,
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Callable
 
 import trio
 
-from blocks import Address, Chain, SchedulerConfig, TenantPolicy, open_upstreams, serve_chain
+from blocks import Address, Chain, CommandParser, SchedulerConfig, TenantPolicy, open_upstreams, serve_chain
 from blocks.testing import SLEEP_20MS, TenantLoad, flood, steady
 
 SCHEDULER = SchedulerConfig(
@@ -105,7 +104,7 @@ async def main(
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(prog="python -m recipes.noisy_neighbour", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="python -m recipes.noisy_neighbour", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="how long to run")
     parser.add_argument("--flood", type=int, default=128, help="requests the noisy tenant keeps in flight")
     parser.add_argument("--rate", type=float, default=10.0, help="requests per second of the quiet tenant")

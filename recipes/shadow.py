@@ -23,13 +23,12 @@ Poke it (with --serve; it prints the edge's URL):
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import attrs
 import trio
 
-from blocks import Chain, MirrorConfig, run_until_signal, serve_chain, serve_http
+from blocks import Chain, CommandParser, MirrorConfig, run_until_signal, serve_chain, serve_http
 from blocks.mirror import MirrorPair, MirrorStatistics
 from blocks.routing import AppSettings, MirrorSetting
 from blocks.testing import send_shop_traffic, shop_app
@@ -106,7 +105,7 @@ async def main(
 
 
 def run() -> None:
-    parser = argparse.ArgumentParser(prog="python -m recipes.shadow", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="python -m recipes.shadow", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0, help="edge port (0: any free port)")
     parser.add_argument("--requests", type=int, default=300, help="requests to send before the report")
     parser.add_argument("--fraction", type=float, default=1.0, help="share of the shop's requests to copy")

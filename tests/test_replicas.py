@@ -131,5 +131,5 @@ async def test_a_replica_url_it_cannot_use_is_a_one_line_error_and_exit_code_2(u
         )
     assert result.returncode == 2
     last = result.stderr.decode().strip().splitlines()[-1]
-    assert last.startswith("python -m recipes.chain: error: --replica ") and url in last
+    assert last.startswith("proxyblocks: error: --replica ") and url in last
     assert b"Traceback" not in result.stderr and result.stdout == b""

@@ -302,7 +302,10 @@ async def serve_http(
     config = config or ListenerConfig()
     if ssl_context is not None:
         ssl_context.set_alpn_protocols(["h2", "http/1.1"])
-    listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+    except OSError as exc:  # say where: a command prints this one line (a port in use)
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sockname = listeners[0].socket.getsockname()
     server = HTTPServer(handler, config, ssl_context, relay, upstreams, port=sockname[1], host=host)
     await server._serve(listeners, task_status)

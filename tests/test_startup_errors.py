@@ -1,0 +1,84 @@
+"""Bad input at startup: one line on stderr, ``proxyblocks: error: ...``, exit code 2, no traceback.
+
+Each case runs a recipe as a subprocess, exactly as a user would type it.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def run_recipe(recipe: str, *args: str) -> tuple[int, str, str]:
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [sys.executable, "-m", f"recipes.{recipe}", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            cwd=REPO,
+            check=False,
+        )
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+def assert_one_line_error(code: int, stdout: str, stderr: str, *names: str) -> None:
+    assert code == 2, (code, stderr)
+    assert "listening" not in stdout
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("proxyblocks: error: "), lines[0]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--port", "70000"], ["--port", "70000"]),
+        (["--port", "-1"], ["--port"]),
+        (["--replicas", "0"], ["--replicas", "0"]),
+        (["--grace", "-1"], ["--grace"]),
+        (["--replica-timeout", "nan"], ["--replica-timeout"]),
+        (["--replica", "https://127.0.0.1:8443"], ["--replica", "https://127.0.0.1:8443"]),
+        (["--no-such-flag"], ["--no-such-flag"]),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) and value[0].startswith("--") else "",
+)
+async def test_a_bad_flag(args: list[str], names: list[str]) -> None:
+    assert_one_line_error(*await run_recipe("chain", *args), *names)
+
+
+@pytest.fixture
+def port_in_use() -> Iterator[int]:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+async def test_a_port_in_use(port_in_use: int) -> None:
+    code, stdout, stderr = await run_recipe("chain", "--port", str(port_in_use))
+    assert_one_line_error(code, stdout, stderr, f"127.0.0.1:{port_in_use}", "in use")
+
+
+@pytest.mark.parametrize(
+    ("content", "what"), [("domains = [unclosed", "Invalid"), (None, "No such file")], ids=["malformed", "missing"]
+)
+async def test_a_route_file_that_does_not_load(tmp_path: Path, content: str | None, what: str) -> None:
+    path = tmp_path / "routes.toml"
+    if content is not None:
+        path.write_text(content)
+    code, stdout, stderr = await run_recipe("chain", "--routes", str(path))
+    assert_one_line_error(code, stdout, stderr, str(path), what)
+
+
+@pytest.mark.parametrize("recipe", ["chat", "fleet", "noisy_neighbour", "shadow"])
+async def test_every_recipe_says_a_bad_flag_in_one_line(recipe: str) -> None:
+    assert_one_line_error(*await run_recipe(recipe, "--no-such-flag"), "--no-such-flag")
