@@ -131,6 +131,7 @@ class Chain:
     cert: Path | None = None
     _proxy: tuple[HTTPServer, Proxy] | None = None
     _edge: HTTPServer | None = None
+    _scratch: tempfile.TemporaryDirectory[str] | None = None  # the self-signed key's, removed with the chain
 
     @property
     def edge(self) -> HTTPServer:
@@ -258,13 +259,16 @@ class Chain:
 
         With ``tls``, it serves HTTPS (ALPN ``h2``, ``http/1.1``) with a
         self-signed certificate for ``localhost`` and ``127.0.0.1`` written
-        into ``cert_dir`` (default: a new temporary directory); :attr:`cert`
-        is its path. ``options`` go to :func:`~blocks.serve_edge`
+        into ``cert_dir`` (default: a new temporary directory, removed with
+        its key when the chain's block is left); :attr:`cert` is its path. ``options`` go to :func:`~blocks.serve_edge`
         (``upstream``, ``listener``...).
         """
         context = None
         if tls:
-            self.cert, key = make_self_signed(cert_dir or Path(tempfile.mkdtemp(prefix="proxyblocks-")))
+            if cert_dir is None:
+                self._scratch = tempfile.TemporaryDirectory(prefix="proxyblocks-")
+                cert_dir = Path(self._scratch.name)
+            self.cert, key = make_self_signed(cert_dir)
             context = server_context(self.cert, key)
         config = EdgeConfig(proxy=proxy or (self.host, self.proxy_server.port))
         serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
@@ -299,11 +303,17 @@ async def open_chain(*, host: str = LOOPBACK, store: EmbeddedStore | None = None
 
     ``store`` (default: a new, empty :class:`EmbeddedStore`) holds its
     routes. Leaving the block cancels whatever still runs (no drain: call
-    :meth:`Chain.shutdown` for that, which also cancels the block's body).
+    :meth:`Chain.shutdown` for that, which also cancels the block's body),
+    and removes the temporary self-signed key of a ``tls`` edge.
     """
     async with trio.open_nursery() as nursery:
-        yield Chain(host, store or EmbeddedStore(), RouteCache(), nursery)
-        nursery.cancel_scope.cancel()
+        chain = Chain(host, store or EmbeddedStore(), RouteCache(), nursery)
+        try:
+            yield chain
+            nursery.cancel_scope.cancel()
+        finally:
+            if chain._scratch is not None:
+                chain._scratch.cleanup()  # the private key never outlives the chain
 
 
 async def serve_chain(

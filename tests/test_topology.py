@@ -153,3 +153,25 @@ async def test_a_second_signal_stops_at_once_without_a_traceback() -> None:
                 assert await process.wait() == 128 + signal.SIGINT
             assert "stopped\n" not in await lines.rest()
             assert "Traceback" not in await _stderr(process)
+
+
+async def test_the_self_signed_key_is_removed_when_the_chain_exits() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    [sys.executable, "-m", "recipes.chain", "--tls"],
+                    stdout=subprocess.PIPE,
+                    cwd=REPO,
+                    check=False,
+                )
+            )
+            assert process.stdout is not None
+            lines = Lines(process.stdout)
+            cert = Path((await lines.until(r"^certificate: (\S+)")).group(1))
+            assert cert.exists() and len(list(cert.parent.iterdir())) == 2  # the certificate and its key
+            process.send_signal(signal.SIGINT)
+            await lines.until(r"^stopped$")
+            assert await process.wait() == 0
+    assert not cert.parent.exists()
