@@ -327,8 +327,11 @@ async def serve_chain(
     """Open a chain, let ``build`` start its parts, report the :class:`Chain`, run until it shuts down.
 
     With ``announce``, prints ``edge listening on http://HOST:PORT`` (or
-    ``https://``) once ``build`` has started the edge, and with TLS a
-    second line, ``certificate: PATH  (curl --cacert PATH URL/)``.
+    ``https://``) once ``build`` has started the edge, with TLS a line
+    ``certificate: PATH  (curl --cacert PATH URL/)``, then the address of
+    every other part it started (``proxy listening on h2c://HOST:PORT``,
+    ``worker listening on ...``, ``replica NAME listening on ...``): the
+    internal hops speak cleartext HTTP/2 with prior knowledge.
     """
     async with open_chain(host=host, store=store) as chain:
         await build(chain)
@@ -336,6 +339,11 @@ async def serve_chain(
             print(f"edge listening on {chain.edge.scheme}://{host}:{chain.edge.port}", flush=True)
             if chain.cert is not None:
                 print(f"certificate: {chain.cert}  (curl --cacert {chain.cert} {chain.url}/)", flush=True)
+            parts = [("proxy", chain._proxy[0])] if chain._proxy is not None else []
+            parts += [("worker", server) for server, _ in chain.workers]
+            parts += [(f"replica {name}", server) for name, server in chain.replicas.items()]
+            for part, server in parts:
+                print(f"{part} listening on h2c://{host}:{server.port}", flush=True)
         task_status.started(chain)
         await trio.sleep_forever()
 

@@ -109,11 +109,15 @@ async def test_the_chain_recipe_fronts_your_server(tmp_path: Path) -> None:
         async with http_server(tmp_path) as (host, port), trio.open_nursery() as nursery:
             process, lines = await start_recipe(nursery, "--replica", f"http://{host}:{port}")
             url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            await lines.until(r"^proxy listening on h2c://127\.0\.0\.1:\d+$")  # every address it listens on
+            await lines.until(r"^worker listening on h2c://127\.0\.0\.1:\d+$")
             response = await get(f"{url}/hello.txt")
             assert (response.status_code, response.content) == (200, BODY)
             assert "server-timing" in response.headers  # it went through the chain's hops
             process.send_signal(signal.SIGINT)
-            assert (await lines.rest()).endswith("draining...\nstopped\n")
+            output = await lines.rest()
+            assert output.endswith("draining...\nstopped\n")
+            assert "replica " not in output  # no demo replica started: yours is the replica
             assert await process.wait() == 0
 
 
