@@ -411,6 +411,16 @@ def error_response(status: int, headers: Headers | None = None) -> Response:
     return text_response(status, f"{status} {phrase}\n", headers)
 
 
+def json_response(status: int, body: bytes) -> Response:
+    """A small JSON answer a hop makes itself (a load report, a session start): never cached."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"cache-control", b"no-store"),
+    ]
+    return Response(status, headers, BytesBody(body))
+
+
 def text_response(status: int, text: str, headers: Headers | None = None) -> Response:
     """A small plain-text response (error pages, demo endpoints)."""
     data = text.encode()
@@ -478,6 +488,7 @@ __all__ = [
     "abandon",
     "empty_body",
     "error_response",
+    "json_response",
     "respond",
     "strip_hop_by_hop",
     "text_response",

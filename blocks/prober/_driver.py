@@ -29,7 +29,7 @@ import trio
 
 from blocks._sync import one_error
 from blocks.fields import LOAD_PATH, PROBE_HEADER
-from blocks.http import BytesBody, Headers, Request, Response
+from blocks.http import Request, Response, json_response
 from blocks.prober._core import (
     AutoscaleSignal,
     LoadEstimator,
@@ -276,10 +276,4 @@ async def open_prober(
 
 def load_response(worker: str, replicas: Mapping[str, ReplicaLoad]) -> Response:
     """A worker's answer to a load probe: :func:`encode_load` as JSON, never cached."""
-    data = encode_load(worker, replicas)
-    headers: Headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(data)),
-        (b"cache-control", b"no-store"),
-    ]
-    return Response(200, headers, BytesBody(data))
+    return json_response(200, encode_load(worker, replicas))

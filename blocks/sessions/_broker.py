@@ -16,7 +16,7 @@ import trio
 from blocks._sync import one_error
 from blocks.errors import NoRoute, SessionGone, Unauthorized, UpstreamProtocolError, UpstreamTimeout
 from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
-from blocks.http import BytesBody, Headers, Request, Response
+from blocks.http import Headers, Request, Response, json_response
 from blocks.sessions._core import SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
 from blocks.sessions._core_tracker import SessionTracker
 from blocks.tokens import take_token
@@ -173,11 +173,11 @@ class SessionBroker:
             {"session": session, "token": token, "replica": replica.name, "expires_at": expires_at},
             separators=(",", ":"),
         ).encode()
-        headers = _json_headers(body)
+        response = json_response(201, body)
         if self.config.set_cookie and self.config.cookie is not None:
-            headers.append((b"set-cookie", self._cookie(token.encode(), int(self.config.ttl))))
+            response.headers.append((b"set-cookie", self._cookie(token.encode(), int(self.config.ttl))))
         log.debug("session %s of app %r started on %s", session, app, replica.name)
-        return Response(201, headers, BytesBody(body))
+        return response
 
     async def terminate(self, app: str, claims: TokenClaims) -> Response:
         """End the session ``claims`` name, at its worker; 204, or 410 if its replica is gone."""
@@ -284,18 +284,9 @@ class SessionBroker:
                 self._events[ticket].set()
 
 
-def _json_headers(body: bytes) -> Headers:
-    return [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-        (b"cache-control", b"no-store"),
-    ]
-
-
-def json_response(status: int, document: object) -> Response:
-    """A small JSON answer (the worker's session control answers)."""
-    body = json.dumps(document, separators=(",", ":")).encode()
-    return Response(status, _json_headers(body), BytesBody(body))
+def _answer(status: int, document: object) -> Response:
+    """The worker's session control answers."""
+    return json_response(status, json.dumps(document, separators=(",", ":")).encode())
 
 
 def session_control_response(tracker: SessionTracker | None, request: Request, now: float) -> Response:
@@ -312,18 +303,16 @@ def session_control_response(tracker: SessionTracker | None, request: Request, n
     session = request.header(SESSION_HEADER)
     replica = (request.header(REPLICA_HEADER) or b"").decode("ascii", "replace")
     if tracker is None or session is None or replica not in tracker.capacities:
-        return json_response(404, {"error": "no such replica, or this worker keeps no sessions"})
+        return _answer(404, {"error": "no such replica, or this worker keeps no sessions"})
     name = session.decode("ascii", "replace")
     if request.method == b"POST":
         status = 201 if tracker.open(name, replica, now) else 409
     elif request.method == b"DELETE":
         status = 200 if tracker.terminate(name) is not None else 404
     else:
-        return json_response(405, {"error": "POST or DELETE"})
+        return _answer(405, {"error": "POST or DELETE"})
     capacity = tracker.capacities[replica]
-    return json_response(
-        status, {"active": tracker.active(replica), "capacity": capacity, "revision": tracker.revision}
-    )
+    return _answer(status, {"active": tracker.active(replica), "capacity": capacity, "revision": tracker.revision})
 
 
 @asynccontextmanager
