@@ -31,11 +31,14 @@ ensure_venv() {
     if [ ! -x .venv/bin/python ]; then
         python3 -m venv .venv
     fi
-    # Installed again only when pyproject.toml or the extras change.
+    # Installed again only when pyproject.toml, the extras or the install mode change. The
+    # "compat" editable mode puts the project's root on sys.path with a plain .pth file, which
+    # type checkers follow: mypy --strict on a user's script finds blocks and its types.
     stamp=".venv/.proxyblocks-installed"
-    want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) ${extras}"
+    want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) ${extras} compat"
     if [ ! -f "$stamp" ] || ! grep -qxF -- "$want" "$stamp"; then
-        .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
+        .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+            --config-settings editable_mode=compat -e ".${extras}"
         echo "$want" >>"$stamp"
     fi
 }

@@ -13,6 +13,7 @@ path in :mod:`blocks.fields`, the route store's keys, codecs and events in
 :mod:`blocks.store`, the demo apps and test helpers in :mod:`blocks.testing`.
 """
 
+from blocks.command import CommandParser, run_until_signal
 from blocks.errors import (
     BadRequest,
     BlocksError,
@@ -101,10 +102,8 @@ from blocks.tokens import (
 )
 from blocks.topology import (
     Chain,
-    CommandParser,
     open_chain,
     route_records,
-    run_until_signal,
     serve_chain,
 )
 from blocks.transport.listener import (

@@ -1,4 +1,4 @@
-"""The topology kit: route records, a chain in one process, and a command's signal handling.
+"""The topology kit: route records and a chain in one process, started part by part.
 
 Recipes, tests and benchmarks build their chains with these, so that the
 shape ``replicas -> worker -> proxy -> edge`` is written once:
@@ -10,9 +10,10 @@ shape ``replicas -> worker -> proxy -> edge`` is written once:
   :meth:`Chain.start_worker`, :meth:`Chain.start_proxy`,
   :meth:`Chain.start_edge`), the proxy routing from a :class:`RouteCache`
   that follows the chain's :class:`EmbeddedStore`; :meth:`Chain.shutdown`
-  drains front to back;
-- :func:`run_until_signal`: a command's ``trio.run``: serve until SIGINT or
-  SIGTERM, drain on the first, stop at once on the second.
+  drains front to back, :meth:`Chain.reload` reloads what it loaded from
+  files.
+
+:mod:`blocks.command` runs a chain as a command: flags, a config file, signals.
 
 Each part is started on its own, so a process that runs one role (only a
 worker, only a proxy) uses the same steps as a chain in one process.
@@ -22,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
-import signal
-import sys
+import ssl
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any
 
 import attrs
 import trio
@@ -47,6 +46,7 @@ from blocks.routing import (
     route_key_for_replica,
     route_key_for_settings,
 )
+from blocks.scheduler import SchedulerConfig
 from blocks.sources import EmbeddedStore, RouteSource, reconcile
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.transport.listener import HTTPServer
@@ -110,6 +110,72 @@ def route_records(
     return records
 
 
+def hop_from_url(url: str) -> Address:
+    """The address of a hop behind (an edge's proxy, a proxy's worker): ``h2c://host:port`` or ``host:port``.
+
+    Raises ``argparse.ArgumentTypeError`` (so it serves as a flag's ``type``) saying what is wrong.
+    """
+    try:
+        replica = replica_from_url(url if "://" in url else f"h2c://{url}")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("a replica URL", "a hop's URL")) from None
+    if replica.protocol != "h2":
+        raise argparse.ArgumentTypeError(f"{url!r}: the hops speak cleartext HTTP/2, h2c://host:port")
+    return replica.address
+
+
+@attrs.frozen
+class App:
+    """An app and where it runs: the ``domains`` routed to it (``"*"``: every other) and its ``replicas`` by name."""
+
+    domains: tuple[str, ...]
+    replicas: Mapping[str, LocalReplica]
+
+
+def read_apps(table: object) -> dict[str, App]:
+    """The apps of a config file's ``[apps.NAME]`` tables, each ``domains = [names]`` and ``replicas = [URLs]``.
+
+    The replicas are named ``NAME-0``, ``NAME-1``... A command's config
+    section (:class:`~blocks.command.CommandParser`): anything else is a
+    ``ValueError`` or ``TypeError`` saying what is wrong.
+    """
+    if not isinstance(table, dict):
+        raise TypeError("apps is a table of tables, [apps.NAME]")
+    apps: dict[str, App] = {}
+    for name, app in table.items():
+        lists = app.values() if isinstance(app, dict) else [None]
+        if (
+            not isinstance(app, dict)
+            or not app.keys() <= {"domains", "replicas"}
+            or not all(isinstance(items, list) and all(isinstance(item, str) for item in items) for items in lists)
+        ):
+            raise ValueError(f"{name}: an app is domains = [names] and replicas = [URLs]")
+        replicas = {f"{name}-{i}": replica_from_url(url) for i, url in enumerate(app.get("replicas", []))}
+        apps[name] = App(tuple(app.get("domains", [])), replicas)
+    return apps
+
+
+def read_scheduler(table: object, default: SchedulerConfig) -> SchedulerConfig:
+    """A config file's ``[scheduler]`` table: ``budget``, and each tenant's ``max_in_flight``,
+    ``max_queued`` and ``queue_timeout`` (``default``'s where it says nothing); a
+    ``ValueError`` or ``TypeError`` says what is wrong."""
+    if not isinstance(table, dict):
+        raise TypeError("scheduler is a table, [scheduler]")
+    policy = dict(table)
+    budget = policy.pop("budget", default.budget)
+    return SchedulerConfig(budget=budget, default_policy=attrs.evolve(default.default_policy, **policy))
+
+
+def replica_url(url: str) -> str:
+    """A flag's ``type``: ``url`` if :func:`replica_from_url` takes it, else an
+    ``argparse.ArgumentTypeError`` saying why."""
+    try:
+        replica_from_url(url)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return url
+
+
 @attrs.define(eq=False)
 class Chain:
     """A chain in one process, started part by part in the nursery it owns (see :func:`open_chain`).
@@ -132,6 +198,7 @@ class Chain:
     _proxy: tuple[HTTPServer, Proxy] | None = None
     _edge: HTTPServer | None = None
     _scratch: tempfile.TemporaryDirectory[str] | None = None  # the self-signed key's, removed with the chain
+    _reloads: list[Callable[[], object]] = attrs.field(factory=list)
 
     @property
     def edge(self) -> HTTPServer:
@@ -224,13 +291,46 @@ class Chain:
         ``task_status``); return what it reports. It stops with the chain, after its parts drained."""
         return await self._nursery.start(serve, *args)
 
+    def route(self, apps: Mapping[str, App], *, worker: Address, layer: str = "chain") -> int:
+        """Route ``apps`` whose replicas sit behind ``worker``: the store's ``layer`` (see
+        :meth:`EmbeddedStore.load_routes`) becomes their :func:`route_records`, in one revision.
+
+        An app without replicas is left out (its domains would lead nowhere).
+        Called again, it replaces what it wrote before: apps and domains it
+        no longer names are removed. Returns the store's revision.
+        """
+        records: dict[str, bytes] = {}
+        for name, app in apps.items():
+            if app.replicas:
+                records |= route_records(name, app.replicas, worker=worker, domains=app.domains)
+        return self.store.load_routes(records, layer=layer)
+
     def follow_route_file(self, path: Path) -> None:
         """Load a route file (TOML or JSON, docs/sources.md) into the store now, and reload it as it changes.
 
-        Raises ``RouteFileError`` if the file cannot be loaded now.
+        Its routes add to those the chain wrote (:meth:`EmbeddedStore.load_file`).
+        Raises ``RouteFileError`` if the file cannot be loaded now. :meth:`reload`
+        loads it at once (the watch notices a change within two seconds).
         """
         self.store.load_file(path)
         self._nursery.start_soon(self.store.watch_file, path)
+        self.on_reload(functools.partial(self.store.load_file, path))
+
+    def on_reload(self, reload: Callable[[], object]) -> None:
+        """Call ``reload`` (a plain function, which may raise) on each :meth:`reload`, after those added before it."""
+        self._reloads.append(reload)
+
+    async def reload(self) -> None:
+        """Load again what the chain loaded from files: route files, the edge's certificate, and
+        whatever :meth:`on_reload` added (a recipe's config file). No connection is dropped.
+
+        What :func:`~blocks.run_until_signal` calls on SIGHUP. Each step is all or
+        nothing; the first that fails raises its ``OSError`` or ``ValueError``
+        (``RouteFileError`` is one), and the steps after it do not run.
+        """
+        await trio.lowlevel.checkpoint()
+        for reload in self._reloads:
+            reload()
 
     async def start_proxy(self, *, source: RouteSource | None = None, **options: Any) -> tuple[HTTPServer, Proxy]:
         """Keep :attr:`cache` equal to ``source`` (default: :attr:`store`), then start the proxy routing from it.
@@ -253,6 +353,8 @@ class Chain:
         proxy: Address | None = None,
         tls: bool = False,
         cert_dir: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
         **options: Any,
     ) -> HTTPServer:
         """Start the edge on ``port`` (0: a free one), in front of ``proxy`` (default: this chain's).
@@ -260,11 +362,20 @@ class Chain:
         With ``tls``, it serves HTTPS (ALPN ``h2``, ``http/1.1``) with a
         self-signed certificate for ``localhost`` and ``127.0.0.1`` written
         into ``cert_dir`` (default: a new temporary directory, removed with
-        its key when the chain's block is left); :attr:`cert` is its path. ``options`` go to :func:`~blocks.serve_edge`
-        (``upstream``, ``listener``...).
+        its key when the chain's block is left); :attr:`cert` is its path.
+        With ``cert`` and ``key`` (PEM files: the certificate chain and its
+        private key), it serves HTTPS with them instead, and :meth:`reload`
+        loads them again (a renewed certificate; connections open stay on
+        the old one). A file that is missing or not a certificate and its key
+        is a ``ValueError`` naming it. ``options`` go to
+        :func:`~blocks.serve_edge` (``upstream``, ``listener``...).
         """
         context = None
-        if tls:
+        if cert is not None and key is not None:
+            context = _certified(cert, key)
+            self.cert = cert
+            self.on_reload(functools.partial(_certified, cert, key, context))
+        elif tls:
             if cert_dir is None:
                 self._scratch = tempfile.TemporaryDirectory(prefix="proxyblocks-")
                 cert_dir = Path(self._scratch.name)
@@ -297,6 +408,21 @@ class Chain:
         self._nursery.cancel_scope.cancel()
 
 
+def _certified(cert: Path, key: Path, context: ssl.SSLContext | None = None) -> ssl.SSLContext:
+    """A server context with ``cert`` and ``key``; or, given ``context``, those loaded into it,
+    once a fresh context took them (a bad pair leaves ``context`` as it was)."""
+    for path in (cert, key):
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+    try:
+        fresh = server_context(cert, key)
+        if context is not None:
+            context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{cert}, {key}: not a PEM certificate chain and its key ({exc.reason or exc})") from None
+    return context or fresh
+
+
 @asynccontextmanager
 async def open_chain(*, host: str = LOOPBACK, store: EmbeddedStore | None = None) -> AsyncIterator[Chain]:
     """An empty :class:`Chain` on ``host`` whose nursery runs every part it starts.
@@ -326,19 +452,21 @@ async def serve_chain(
 ) -> None:
     """Open a chain, let ``build`` start its parts, report the :class:`Chain`, run until it shuts down.
 
-    With ``announce``, prints ``edge listening on http://HOST:PORT`` (or
-    ``https://``) once ``build`` has started the edge, with TLS a line
-    ``certificate: PATH  (curl --cacert PATH URL/)``, then the address of
-    every other part it started (``proxy listening on h2c://HOST:PORT``,
+    With ``announce``, once ``build`` has returned it prints ``edge
+    listening on http://HOST:PORT`` (or ``https://``) if it started an
+    edge, with a self-signed certificate a line ``certificate: PATH  (curl
+    --cacert PATH URL/)``, then the address of every other part it started
+    (``proxy listening on h2c://HOST:PORT``,
     ``worker listening on ...``, ``replica NAME listening on ...``): the
     internal hops speak cleartext HTTP/2 with prior knowledge.
     """
     async with open_chain(host=host, store=store) as chain:
         await build(chain)
-        if announce:
+        if announce and chain._edge is not None:
             print(f"edge listening on {chain.edge.scheme}://{host}:{chain.edge.port}", flush=True)
-            if chain.cert is not None:
+            if chain.cert is not None and chain._scratch is not None:
                 print(f"certificate: {chain.cert}  (curl --cacert {chain.cert} {chain.url}/)", flush=True)
+        if announce:
             parts = [("proxy", chain._proxy[0])] if chain._proxy is not None else []
             parts += [("worker", server) for server, _ in chain.workers]
             parts += [(f"replica {name}", server) for name, server in chain.replicas.items()]
@@ -348,148 +476,19 @@ async def serve_chain(
         await trio.sleep_forever()
 
 
-class Drainable(Protocol):
-    """What :func:`run_until_signal` runs: anything with an async ``shutdown(grace)`` that drains."""
-
-    async def shutdown(self, grace: float) -> None: ...
-
-
-class CommandParser(argparse.ArgumentParser):
-    """The command line of a proxyblocks command: a bad flag is one line, ``proxyblocks: error: ...``, and exit code 2.
-
-    (argparse would print its usage first; ``--help`` still shows it, with every default.)
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"proxyblocks: error: {message}\n")
-
-
-def port_number(text: str) -> int:
-    """An argparse ``type``: a TCP port, 0 (any free port) to 65535."""
-    if not (text.isascii() and text.isdigit() and int(text) <= 65535):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
-    return int(text)
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number, ``minimum`` or more."""
-
-    def parse(text: str) -> int:
-        if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and int(text) >= minimum):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
-        return int(text)
-
-    return parse
-
-
-def seconds(text: str) -> float:
-    """An argparse ``type``: a finite, non-negative number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
-    return value
-
-
-def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10.0) -> None:
-    """Run ``start`` (a ``serve_*``-style function reporting a :class:`Drainable`) until SIGINT or SIGTERM.
-
-    A command's ``trio.run``. The first signal prints ``draining...``, calls
-    the reported object's ``shutdown(grace)``, prints ``stopped`` and
-    returns (exit status 0). A second signal while draining prints
-    ``stopping now`` and cancels everything at once; the process then exits
-    with 128 + the signal's number (130 for SIGINT), with no traceback. If
-    ``start`` ends by itself, so does this (printing nothing). If it fails
-    before it reports (a port in use, a route file that does not load: an
-    ``OSError`` or a ``ValueError``), that is one line on stderr,
-    ``proxyblocks: error: ...``, and exit code 2; an error after that
-    propagates.
-    """
-    try:
-        code = trio.run(_until_signal, start, grace)
-    except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place, or after
-        code = 128 + signal.SIGINT
-    except BaseException as exc:
-        failed = _one_cause(exc)  # (the nurseries on the way out wrap it)
-        if not isinstance(failed, _StartFailed):
-            raise
-        reason = failed.reason
-        text = reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)
-        print(f"proxyblocks: error: {text}", file=sys.stderr, flush=True)
-        code = 2
-    if code:
-        raise SystemExit(code)
-
-
-class _StartFailed(Exception):
-    def __init__(self, reason: BaseException) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
-
-
-def _one_cause(error: BaseException) -> BaseException:
-    """The one error inside nested exception groups of one (what nurseries wrap), else ``error`` itself."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
-
-
-async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> int:
-    code = 0
-    drained = False
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def serve(task_status: trio.TaskStatus[Drainable]) -> None:
-                await start(task_status=task_status)
-                nursery.cancel_scope.cancel()  # it ended: stop waiting for a signal
-
-            async def second() -> None:
-                nonlocal code
-                async for signum in signals:
-                    print("stopping now", flush=True)
-                    code = 128 + signum
-                    nursery.cancel_scope.cancel()
-
-            try:
-                target: Drainable = await nursery.start(serve)
-            except BaseException as exc:
-                cause = _one_cause(exc)
-                if isinstance(cause, OSError | ValueError):
-                    raise _StartFailed(cause) from None
-                raise
-            async for _ in signals:
-                break
-            print("draining...", flush=True)
-            nursery.start_soon(second)
-            await target.shutdown(grace)
-            drained = True
-            nursery.cancel_scope.cancel()
-    if drained and not code:
-        print("stopped", flush=True)
-    return code
-
-
 __all__ = [
     "LOOPBACK",
     "REPLICA_SCHEMES",
+    "App",
     "BuildChain",
     "Chain",
-    "CommandParser",
-    "Drainable",
     "ServeReplica",
-    "at_least",
+    "hop_from_url",
     "open_chain",
-    "port_number",
+    "read_apps",
+    "read_scheduler",
     "replica_from_url",
+    "replica_url",
     "route_records",
-    "run_until_signal",
-    "seconds",
     "serve_chain",
 ]

@@ -1,12 +1,21 @@
-"""The full chain on loopback: edge -> proxy -> worker -> demo replicas, one process.
+"""The full chain: edge -> proxy -> worker -> replicas, in one process on loopback, or one role of it.
 
 Run it:
 
     python -m recipes.chain                 # prints: edge listening on http://127.0.0.1:PORT
     python -m recipes.chain --port 8080 --replicas 3 --replica-protocol h1
     python -m recipes.chain --tls           # also prints the certificate for curl --cacert
+    python -m recipes.chain --cert cert.pem --key key.pem      # HTTPS with your certificate
     python -m recipes.chain --replica http://127.0.0.1:8000 --replica h2c://127.0.0.1:9000
                                             # your own servers behind the chain, not the demo replicas
+    python -m recipes.chain --config chain.toml                # settings from a file (flags override it)
+
+One role per process, so the hops can live on different machines
+(``--host 0.0.0.0`` listens on every interface):
+
+    python -m recipes.chain --role worker --port 9001
+    python -m recipes.chain --role proxy --port 9000 --next-hop h2c://WORKER:9001 --replica http://APP:8000
+    python -m recipes.chain --role edge --port 8080 --next-hop h2c://PROXY:9000
 
 Poke it (any authority routes to the demo app, or to your ``--replica`` servers):
 
@@ -18,25 +27,29 @@ Poke it (any authority routes to the demo app, or to your ``--replica`` servers)
     curl -H 'x-tenant: alice' http://127.0.0.1:PORT/       # the fair scheduler's tenant
 
 Routes live in an embedded, revisioned store that the proxy's route cache
-follows (no outside service). With ``--routes FILE`` (TOML or JSON, see
-docs/sources.md) the store also loads that file and follows its changes:
-edit it while the chain runs and the proxy routes by the new version.
+follows (no outside service), or in etcd (``--route-source``). With
+``--routes FILE`` (TOML or JSON, see docs/sources.md) the store also loads
+that file, adding to the recipe's routes, and follows its changes: edit it
+while the chain runs and the proxy routes by the new version.
 
 Ctrl-C (or SIGTERM) drains: the edge stops accepting, h2 clients get GOAWAY,
 requests in flight finish within --grace seconds, and the process exits 0.
-A second Ctrl-C stops at once.
+A second Ctrl-C stops at once. SIGHUP reloads the config file's replicas and
+apps, the route file and the certificate, dropping no connection.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import trio
 
-from blocks import Chain, CommandParser, SchedulerConfig, TenantPolicy, UpstreamConfig, run_until_signal, serve_chain
-from blocks.topology import at_least, port_number, replica_from_url, seconds
+from blocks import Chain, EtcdSource, LocalReplica, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
+from blocks.command import CommandParser, at_least, run_until_signal, seconds
+from blocks.routing import Address
+from blocks.topology import LOOPBACK, App, hop_from_url, read_apps, read_scheduler, replica_from_url, replica_url
 
 __all__ = ["FAIR", "Chain", "main"]
 
@@ -51,81 +64,95 @@ up to 512 waiting per tenant for 5 s."""
 
 async def main(
     *,
+    role: str = "chain",
+    host: str = LOOPBACK,
     port: int = 0,
     replicas: int = 2,
     tls: bool = False,
+    cert: Path | None = None,
+    key: Path | None = None,
     replica_protocol: str = "h2",
     replica_timeout: float = 30.0,
     cert_dir: Path | None = None,
     scheduler: SchedulerConfig | None = FAIR,
     routes_file: Path | None = None,
     replica_urls: Sequence[str] = (),
+    apps: Mapping[str, App] | None = None,
+    next_hop: Address | None = None,
+    route_source: str | None = None,
+    reread: Callable[[], tuple[Sequence[str], Mapping[str, App] | None]] | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the chain; report a :class:`~blocks.Chain` once the edge takes traffic; run until shut down.
+    """Run the chain, or one ``role`` of it (see the flags); report a :class:`~blocks.Chain` once it serves.
 
-    The proxy routes from a route cache that follows the chain's embedded
-    store, holding ``* -> demo -> every replica`` (or, with ``routes_file``,
-    that file's routes, reloaded when it changes). With ``replica_urls``
-    (``http://`` or ``h2c://host:port``), those servers are the replicas
-    instead of ``replicas`` demo ones. With ``announce`` (the default) it
-    prints ``edge listening on URL`` then.
-    """
-    if replicas < 1:
-        raise ValueError("--replicas must be at least 1")
-    yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(replica_urls)}
+    ``reread``, on reload (SIGHUP), gives ``replica_urls`` (the app ``demo``) and ``apps`` anew."""
+    routed = bool(replica_urls or apps)
+    if next_hop is None and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
+        raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
+    ports = {"edge": port} if role == "chain" else {role: port}
 
     async def build(chain: Chain) -> None:
-        names = [f"replica-{i}" for i in range(replicas)]
-        local = yours or {name: await chain.start_replica(name, protocol=replica_protocol) for name in names}
-        upstream = UpstreamConfig(response_timeout=replica_timeout)
-        await chain.start_worker(local, app=None if routes_file else "demo", upstream=upstream)
-        if routes_file is not None:
-            chain.follow_route_file(routes_file)
-        # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
-        await chain.start_proxy(scheduler=scheduler, upstream=UpstreamConfig(response_timeout=replica_timeout + 5))
-        upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
-        await chain.start_edge(port=port, tls=tls, cert_dir=cert_dir, upstream=upstream)
+        local: dict[str, LocalReplica] = {}
+        worker = next_hop
+        if role in ("chain", "worker"):
+            for name in [f"replica-{i}" for i in range(replicas)] if role == "chain" and not replica_urls else []:
+                local[name] = await chain.start_replica(name, protocol=replica_protocol)
+            upstream = UpstreamConfig(response_timeout=replica_timeout)
+            server, _ = await chain.start_worker(local, app=None, upstream=upstream, port=ports.get("worker", 0))
+            worker = (host, server.port)
+        if role in ("chain", "proxy"):
 
-    await serve_chain(build, announce=announce, task_status=task_status)
+            def route(urls: Sequence[str], more: Mapping[str, App] | None) -> None:
+                yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(urls)}
+                if worker is not None:
+                    chain.route({"demo": App(("*",), yours or local), **(more or {})}, worker=worker)
+
+            route(replica_urls, apps)
+            if reread is not None:
+                chain.on_reload(lambda: route(*reread()))
+            if routes_file is not None:
+                chain.follow_route_file(routes_file)
+            # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
+            source = EtcdSource(route_source) if route_source else None
+            upstream = UpstreamConfig(response_timeout=replica_timeout + 5)
+            await chain.start_proxy(source=source, scheduler=scheduler, upstream=upstream, port=ports.get("proxy", 0))
+        if role in ("chain", "edge"):
+            upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
+            proxy = next_hop if role == "edge" else None
+            await chain.start_edge(
+                port=port, proxy=proxy, tls=tls, cert=cert, key=key, cert_dir=cert_dir, upstream=upstream
+            )
+
+    await serve_chain(build, host=host, announce=announce, task_status=task_status)
 
 
 def run() -> None:
-    parser = CommandParser(prog="python -m recipes.chain", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=port_number, default=0, help="edge port (0: any free port)")
-    parser.add_argument("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
-    parser.add_argument("--tls", action="store_true", help="serve HTTPS with a generated self-signed certificate")
-    parser.add_argument("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> replica protocol")
-    parser.add_argument(
-        "--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504"
+    sections: dict[str, Callable[[object], object]] = {"apps": read_apps}
+    sections["scheduler"] = functools.partial(read_scheduler, default=FAIR)
+    parser = CommandParser(prog="python -m recipes.chain", description=__doc__.splitlines()[0], sections=sections)
+    parser.add_serving_flags()
+    flag = parser.add_argument
+    flag("--role", choices=("chain", "edge", "proxy", "worker"), default="chain", help="every hop, or this one")
+    flag(
+        "--next-hop", type=hop_from_url, metavar="URL", help="the edge's proxy, or the proxy's worker: h2c://host:port"
     )
-    parser.add_argument(
-        "--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler"
-    )
-    parser.add_argument("--grace", type=seconds, default=10.0, help="seconds requests in flight get on shutdown")
-    parser.add_argument("--routes", type=Path, help="a TOML or JSON route file to load and follow (docs/sources.md)")
-    parser.add_argument(
-        "--replica", action="append", default=[], metavar="URL", help="your server: http:// or h2c://host:port"
-    )
-    args = parser.parse_args()
-    for url in args.replica:
-        try:
-            replica_from_url(url)
-        except ValueError as exc:
-            parser.error(f"--replica {exc}")
-    start = functools.partial(
-        main,
-        port=args.port,
-        replicas=args.replicas,
-        tls=args.tls,
-        replica_protocol=args.replica_protocol,
-        replica_timeout=args.replica_timeout,
-        scheduler=None if args.no_scheduler else FAIR,
-        routes_file=args.routes,
-        replica_urls=args.replica,
-    )
-    run_until_signal(start, grace=args.grace)
+    flag("--route-source", metavar="URL", help="the proxy's routes from this etcd (http://host:2379)")
+    flag("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
+    flag("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> demo replica protocol")
+    flag("--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504")
+    flag("--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler")
+    flag("--routes", dest="routes_file", type=Path, help="a TOML or JSON route file to add and follow")
+    flag("--replica", dest="replica_urls", action="append", type=replica_url, default=[], metavar="URL")
+    settings = vars(parser.parse_args())
+
+    def reread() -> tuple[Sequence[str], Mapping[str, App] | None]:
+        again = parser.reparse()
+        return again.replica_urls, again.apps
+
+    grace, config = settings.pop("grace"), settings.pop("config")
+    settings["scheduler"] = None if settings.pop("no_scheduler") else settings["scheduler"] or FAIR
+    run_until_signal(functools.partial(main, reread=reread if config else None, **settings), grace=grace)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from blocks import (
     serve_chain,
     serve_websocket_app,
 )
+from blocks.command import at_least, port_number, seconds
 from blocks.testing import MAX_MESSAGE, ChatApp
 
 __all__ = ["MAX_MESSAGE", "Chat", "main"]
@@ -116,10 +117,10 @@ async def main(
 
 def run() -> None:
     parser = CommandParser(prog="python -m recipes.chat", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0, help="edge port (0: any free port)")
-    parser.add_argument("--replicas", type=int, default=2, help="chat replicas behind the worker")
-    parser.add_argument("--rooms-per-replica", type=int, default=8, help="sessions (rooms) one replica hosts")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds requests in flight get on shutdown")
+    parser.add_argument("--port", type=port_number, default=0, help="edge port (0: any free port)")
+    parser.add_argument("--replicas", type=at_least(1), default=2, help="chat replicas behind the worker")
+    parser.add_argument("--rooms-per-replica", type=at_least(1), default=8, help="sessions (rooms) one replica hosts")
+    parser.add_argument("--grace", type=seconds, default=5.0, help="seconds requests in flight get on shutdown")
     args = parser.parse_args()
     start = functools.partial(main, port=args.port, replicas=args.replicas, rooms_per_replica=args.rooms_per_replica)
     run_until_signal(start, grace=args.grace)

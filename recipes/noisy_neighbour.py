@@ -28,6 +28,7 @@ from collections.abc import Callable
 import trio
 
 from blocks import Address, Chain, CommandParser, SchedulerConfig, TenantPolicy, open_upstreams, serve_chain
+from blocks.command import at_least, between, seconds
 from blocks.testing import SLEEP_20MS, TenantLoad, flood, steady
 
 SCHEDULER = SchedulerConfig(
@@ -105,9 +106,11 @@ async def main(
 
 def run() -> None:
     parser = CommandParser(prog="python -m recipes.noisy_neighbour", description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=15.0, help="how long to run")
-    parser.add_argument("--flood", type=int, default=128, help="requests the noisy tenant keeps in flight")
-    parser.add_argument("--rate", type=float, default=10.0, help="requests per second of the quiet tenant")
+    parser.add_argument("--seconds", type=seconds, default=15.0, help="how long to run")
+    parser.add_argument("--flood", type=at_least(0), default=128, help="requests the noisy tenant keeps in flight")
+    parser.add_argument(
+        "--rate", type=between(0.1, 10_000), default=10.0, help="requests per second of the quiet tenant"
+    )
     parser.add_argument("--no-scheduler", action="store_true", help="run the same load without the fair scheduler")
     args = parser.parse_args()
 

@@ -29,6 +29,7 @@ import attrs
 import trio
 
 from blocks import Chain, CommandParser, MirrorConfig, run_until_signal, serve_chain, serve_http
+from blocks.command import at_least, between, port_number
 from blocks.mirror import MirrorPair, MirrorStatistics
 from blocks.routing import AppSettings, MirrorSetting
 from blocks.testing import send_shop_traffic, shop_app
@@ -106,9 +107,9 @@ async def main(
 
 def run() -> None:
     parser = CommandParser(prog="python -m recipes.shadow", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0, help="edge port (0: any free port)")
-    parser.add_argument("--requests", type=int, default=300, help="requests to send before the report")
-    parser.add_argument("--fraction", type=float, default=1.0, help="share of the shop's requests to copy")
+    parser.add_argument("--port", type=port_number, default=0, help="edge port (0: any free port)")
+    parser.add_argument("--requests", type=at_least(0), default=300, help="requests to send before the report")
+    parser.add_argument("--fraction", type=between(0, 1), default=1.0, help="share of the shop's requests to copy")
     parser.add_argument("--serve", action="store_true", help="keep running after the report, until Ctrl-C")
     args = parser.parse_args()
     start = functools.partial(main, port=args.port, fraction=args.fraction, requests=args.requests, serve=args.serve)

@@ -13,8 +13,11 @@ import functools
 import math
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -48,6 +51,7 @@ from blocks.store import RouteEvent
 from blocks.transport.streams import H2ConnectionStatistics
 
 HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parent.parent
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 Headers = list[tuple[bytes, bytes]]
 
@@ -629,15 +633,65 @@ class Lines:
     def __init__(self, stream: trio.abc.ReceiveStream) -> None:
         self.stream = stream
         self.text = ""
+        self.seen = 0  # where :meth:`next` looks from
 
-    async def until(self, pattern: str) -> re.Match[str]:
-        while (match := re.search(pattern, self.text, re.MULTILINE)) is None:
+    async def until(self, pattern: str, *, start: int = 0) -> re.Match[str]:
+        """The first match of ``pattern`` in the output from ``start`` (default: all of it), read as far as needed."""
+        compiled = re.compile(pattern, re.MULTILINE)
+        while (match := compiled.search(self.text, start)) is None:
             chunk = await self.stream.receive_some()
             assert chunk, f"the process ended before printing {pattern!r}: {self.text!r}"
             self.text += chunk.decode()
+        return match
+
+    async def next(self, pattern: str) -> re.Match[str]:
+        """The next match of ``pattern`` after the last :meth:`next` returned (a line printed again counts again)."""
+        match = await self.until(pattern, start=self.seen)
+        self.seen = match.end()
         return match
 
     async def rest(self) -> str:
         while chunk := await self.stream.receive_some():
             self.text += chunk.decode()
         return self.text
+
+
+# -- servers that are not part of the project, and recipes as processes -------------------------
+
+BODY = b"served by python's own http.server\n"
+
+
+@asynccontextmanager
+async def http_server(directory: Path, body: bytes = BODY) -> AsyncIterator[tuple[str, int]]:
+    """``python -m http.server`` on a free loopback port, serving ``directory`` with ``hello.txt``
+    holding ``body``: its address."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "hello.txt").write_bytes(body)
+    command = [sys.executable, "-u", "-m", "http.server", "--bind", HOST, "--directory", str(directory), "0"]
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert process.stdout is not None
+        line = await Lines(process.stdout).until(r"Serving HTTP on \S+ port (\d+)")
+        try:
+            yield HOST, int(line.group(1))
+        finally:
+            process.terminate()
+
+
+async def start_recipe(nursery: trio.Nursery, *args: str, recipe: str = "chain") -> tuple[trio.Process, Lines]:
+    """``python -m recipes.RECIPE ARGS`` from the repository's root, started in ``nursery``:
+    the process (stderr piped too) and its stdout's :class:`Lines`."""
+    process: trio.Process = await nursery.start(
+        functools.partial(
+            trio.run_process,
+            [sys.executable, "-m", f"recipes.{recipe}", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            check=False,
+        )
+    )
+    assert process.stdout is not None
+    return process, Lines(process.stdout)

@@ -69,6 +69,7 @@ NAMESPACES = [
     importlib.import_module(name)
     for name in (
         "blocks",
+        "blocks.command",
         "blocks.errors",
         "blocks.fields",
         "blocks.hops",

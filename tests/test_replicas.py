@@ -15,40 +15,18 @@ Loopback only, port 0, every wait bounded.
 
 from __future__ import annotations
 
-import functools
 import signal
-import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from support import HOST, Lines
+from support import BODY, HOST, http_server, start_recipe
 
 from blocks import LocalReplica, open_chain, route_records
 
 REPO = Path(__file__).resolve().parent.parent
-BODY = b"served by python's own http.server\n"
-
-
-@asynccontextmanager
-async def http_server(directory: Path) -> AsyncIterator[tuple[str, int]]:
-    """``python -m http.server`` on a free loopback port, serving ``directory``: its address."""
-    (directory / "hello.txt").write_bytes(BODY)
-    command = [sys.executable, "-u", "-m", "http.server", "--bind", HOST, "--directory", str(directory), "0"]
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
-        )
-        assert process.stdout is not None
-        line = await Lines(process.stdout).until(r"Serving HTTP on \S+ port (\d+)")
-        try:
-            yield HOST, int(line.group(1))
-        finally:
-            process.terminate()
 
 
 async def get(url: str) -> httpx.Response:
@@ -89,21 +67,6 @@ async def test_a_bad_target_is_a_503_not_a_connection_anywhere(tmp_path: Path) -
             await chain.shutdown(5)
 
 
-async def start_recipe(nursery: trio.Nursery, *args: str) -> tuple[trio.Process, Lines]:
-    process: trio.Process = await nursery.start(
-        functools.partial(
-            trio.run_process,
-            [sys.executable, "-m", "recipes.chain", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            check=False,
-        )
-    )
-    assert process.stdout is not None
-    return process, Lines(process.stdout)
-
-
 async def test_the_chain_recipe_fronts_your_server(tmp_path: Path) -> None:
     with trio.fail_after(60):
         async with http_server(tmp_path) as (host, port), trio.open_nursery() as nursery:
@@ -122,7 +85,7 @@ async def test_the_chain_recipe_fronts_your_server(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["https://127.0.0.1:8443", "http://127.0.0.1", "h2c://127.0.0.1:9000/api", "127.0.0.1:80"]
+    "url", ["ftp://127.0.0.1:8443", "http://127.0.0.1", "h2c://127.0.0.1:9000/api", "127.0.0.1:80"]
 )
 async def test_a_replica_url_it_cannot_use_is_a_one_line_error_and_exit_code_2(url: str) -> None:
     with trio.fail_after(30):
@@ -135,5 +98,5 @@ async def test_a_replica_url_it_cannot_use_is_a_one_line_error_and_exit_code_2(u
         )
     assert result.returncode == 2
     last = result.stderr.decode().strip().splitlines()[-1]
-    assert last.startswith("proxyblocks: error: --replica ") and url in last
+    assert last.startswith("proxyblocks: error: argument --replica: ") and url in last
     assert b"Traceback" not in result.stderr and result.stdout == b""

@@ -366,6 +366,50 @@ async def test_load_file_writes_only_the_difference_in_one_revision(
     assert store.revision == 2
 
 
+def test_a_route_file_adds_to_the_stores_own_routes_and_deletes_only_its_own(tmp_path: Path) -> None:
+    own = {route_key_for_domain("own.example"): encode_domain("own"), route_key_for_domain("*"): encode_domain("x")}
+    path = tmp_path / "routes.toml"
+    store = EmbeddedStore()
+    store.transact(own)
+    path.write_text(TOML)
+    store.load_file(path)
+    assert store.items() == {route_key_for_domain("own.example"): encode_domain("own")} | EXPECTED  # the file wins
+    path.write_text(TOML.replace('"*" = "demo"\n', ""))
+    store.load_file(path)
+    # "*" was last written by the file, so the file dropping it deletes it; its own key stays.
+    assert store.items() == {route_key_for_domain("own.example"): encode_domain("own")} | {
+        key: value for key, value in EXPECTED.items() if key != route_key_for_domain("*")
+    }
+    path.write_text("[domains]\n")
+    store.load_file(path)
+    assert store.items() == {route_key_for_domain("own.example"): encode_domain("own")}
+
+
+_LAYER_KEYS = st.sampled_from([f"domains/d{i}" for i in range(5)])
+_LAYER_ROUTES = st.dictionaries(_LAYER_KEYS, st.sampled_from([b'"a"', b'"b"']), max_size=5)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["recipe", "file", None]), _LAYER_ROUTES), max_size=12))
+def test_a_layer_replaces_only_what_it_wrote(loads: list[tuple[str | None, dict[str, bytes]]]) -> None:
+    # After loading routes R as layer L: the store holds R; a key L named last time and not
+    # now is gone; every other key is as it was. Without a layer, the store is exactly R.
+    store = EmbeddedStore()
+    named: dict[str, set[str]] = {}
+    for layer, routes in loads:
+        before = store.items()
+        store.load_routes(routes, layer=layer)
+        after = store.items()
+        assert {key: after.get(key) for key in routes} == routes
+        if layer is None:
+            assert after == routes
+            continue
+        dropped = named.get(layer, set()) - routes.keys()
+        assert dropped.isdisjoint(after)
+        untouched = before.keys() - routes.keys() - dropped
+        assert {key: after[key] for key in untouched} == {key: before[key] for key in untouched}
+        named[layer] = set(routes)
+
+
 async def test_watch_file_follows_changes_and_keeps_the_last_good_routes(tmp_path: Path) -> None:
     # Real clock: the file is read in threads, which an autojump clock would skip past.
     path = tmp_path / "routes.toml"

@@ -48,6 +48,11 @@ def assert_one_line_error(code: int, stdout: str, stderr: str, *names: str) -> N
         (["--replica-timeout", "nan"], ["--replica-timeout"]),
         (["--replica", "https://127.0.0.1:8443"], ["--replica", "https://127.0.0.1:8443"]),
         (["--no-such-flag"], ["--no-such-flag"]),
+        (["--role", "edge"], ["--role edge", "needs --next-hop"]),
+        (["--role", "proxy", "--replica", "http://127.0.0.1:1"], ["--role proxy", "--next-hop"]),
+        (["--role", "router"], ["--role", "router"]),
+        (["--next-hop", "https://127.0.0.1:1"], ["--next-hop", "h2c://"]),
+        (["--cert", "cert.pem"], ["--cert and --key"]),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) and value[0].startswith("--") else "",
 )
@@ -82,3 +87,43 @@ async def test_a_route_file_that_does_not_load(tmp_path: Path, content: str | No
 @pytest.mark.parametrize("recipe", ["chat", "fleet", "noisy_neighbour", "shadow"])
 async def test_every_recipe_says_a_bad_flag_in_one_line(recipe: str) -> None:
     assert_one_line_error(*await run_recipe(recipe, "--no-such-flag"), "--no-such-flag")
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "what"),
+    [(None, None, "no such file"), ("not a certificate", "not a key", "not a PEM certificate")],
+    ids=["missing", "not-pem"],
+)
+async def test_a_certificate_it_cannot_use(tmp_path: Path, cert: str | None, key: str | None, what: str) -> None:
+    paths = tmp_path / "cert.pem", tmp_path / "key.pem"
+    for path, text in zip(paths, (cert, key), strict=True):
+        if text is not None:
+            path.write_text(text)
+    code, stdout, stderr = await run_recipe("chain", "--cert", str(paths[0]), "--key", str(paths[1]))
+    assert_one_line_error(code, stdout, stderr, str(paths[0]), what)
+
+
+@pytest.mark.parametrize(
+    ("content", "names"),
+    [
+        (None, ["--config", "No such file"]),
+        ("port = [unclosed", ["--config", "not TOML"]),
+        ("prot = 8080", ["prot", "not a setting", "port"]),
+        ("port = 70000", ["port", "'70000' is not a port"]),
+        ("replicas = 0", ["replicas", "at least 1"]),
+        ("tls = 'yes'", ["tls", "true or false"]),
+        ("replica = ['ftp://127.0.0.1:1']", ["replica", "ftp://"]),
+        ("replica-protocol = 'h3'", ["replica-protocol", "'h3' is not one of h2, h1"]),
+        ("[apps.chat]\ndomains = 'chat.example'", ["apps", "chat: an app is"]),
+        ("[apps.chat]\nreplicas = ['http://127.0.0.1']", ["apps", "host and a port"]),
+        ("[scheduler]\nmax_in_flight = -1", ["scheduler", "max_in_flight"]),
+        ("[scheduler]\nfairness = 1", ["scheduler", "fairness"]),
+    ],
+    ids=lambda value: value.splitlines()[-1] if isinstance(value, str) else "missing" if value is None else "",
+)
+async def test_a_config_file_it_cannot_use(tmp_path: Path, content: str | None, names: list[str]) -> None:
+    path = tmp_path / "chain.toml"
+    if content is not None:
+        path.write_text(content)
+    code, stdout, stderr = await run_recipe("chain", "--config", str(path))
+    assert_one_line_error(code, stdout, stderr, str(path), *names)

@@ -78,6 +78,7 @@ class EmbeddedStore:
     _watchers: int = attrs.field(default=0, init=False)
     _file_loads: int = attrs.field(default=0, init=False)
     _file_error: str | None = attrs.field(default=None, init=False)
+    _layers: dict[str, set[str]] = attrs.field(factory=dict, init=False)  # what each layer wrote last
 
     def __repr__(self) -> str:
         return (
@@ -137,19 +138,37 @@ class EmbeddedStore:
         self._changed = trio.Event()
         return revision
 
-    def load_routes(self, routes: Mapping[str, bytes]) -> int:
-        """Make the store hold exactly ``routes``, in one transaction of the difference."""
+    def load_routes(self, routes: Mapping[str, bytes], *, layer: str | None = None) -> int:
+        """Write ``routes`` in one transaction of the difference; return the revision after it.
+
+        Without ``layer``, the store then holds exactly ``routes``. With one
+        (a name: a recipe's, a route file's path), ``routes`` replace what
+        the last load of that layer wrote and add to everything else: their
+        keys are put where the values differ, and a key the layer wrote last
+        time and no longer names is deleted. Keys written otherwise stay. (A
+        key two layers name holds the value written last; either dropping
+        it deletes it.)
+        """
+        before = self._data if layer is None else self._layers.get(layer, ())
         puts = {key: value for key, value in routes.items() if self._data.get(key) != value}
-        deletes = [key for key in self._data if key not in routes]
-        return self.transact(puts, deletes)
+        revision = self.transact(puts, [key for key in before if key not in routes])
+        if layer is not None:
+            self._layers[layer] = set(routes)
+        return revision
 
     def load_file(self, path: str | os.PathLike[str]) -> int:
-        """Make the store hold exactly the routes of a route file (TOML or JSON).
+        """Load the routes of a route file (TOML or JSON) as the layer named by its path (see :meth:`load_routes`).
 
+        The file adds to what was written otherwise (a recipe's routes, say),
+        and a key an earlier load of it wrote that it no longer names is
+        deleted; a store fed only by the file holds exactly its routes.
         Blocking file I/O: for start-up. Raises
         :class:`~blocks.sources.routefile.RouteFileError`, and then changes nothing.
         """
-        revision = self.load_routes(read_route_file(path))
+        return self._take_file(path, read_route_file(path))
+
+    def _take_file(self, path: str | os.PathLike[str], routes: Mapping[str, bytes]) -> int:
+        revision = self.load_routes(routes, layer=os.fspath(path))
         self._file_loads += 1
         self._file_error = None
         return revision
@@ -215,6 +234,8 @@ class EmbeddedStore:
     ) -> None:
         """Load a route file, report started, then reload it whenever it changes. Runs until cancelled.
 
+        Each load writes over the store's own routes as :meth:`load_file` does.
+
         The first load raises :class:`~blocks.sources.routefile.RouteFileError`
         (start-up should fail loudly). Afterwards a file that cannot be read
         or parsed (half-saved, a typo, deleted) keeps the last good routes,
@@ -241,9 +262,7 @@ class EmbeddedStore:
         file = trio.Path(os.fspath(path))
         signature: tuple[int, int, int] | None = await _signature(file)
         data = await file.read_bytes()
-        self.load_routes(parse_route_file(data, path=path))
-        self._file_loads += 1
-        self._file_error = None
+        self._take_file(path, parse_route_file(data, path=path))
         loaded = hashlib.sha256(data).digest()  # the content whose routes are in force
         candidate: bytes | None = None  # new content seen once, waiting to be seen again
         rejected: bytes | None = None  # content that did not parse
@@ -282,10 +301,8 @@ class EmbeddedStore:
                 rejected = digest
                 self._file_error = str(exc)
                 continue
-            self.load_routes(routes)
+            self._take_file(path, routes)
             loaded = digest
-            self._file_loads += 1
-            self._file_error = None
 
     def statistics(self) -> EmbeddedStoreStatistics:
         return EmbeddedStoreStatistics(

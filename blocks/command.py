@@ -1,0 +1,322 @@
+"""A proxyblocks command: its flags, its config file, and its signals.
+
+- :class:`CommandParser`: ``argparse`` with one-line errors (``proxyblocks:
+  error: ...``, exit code 2) and ``--config FILE``, a TOML file that can hold
+  everything the flags say. Its keys are the long flags' names (``port =
+  8080``, ``replica = ["http://10.0.0.5:8000"]``, ``no-scheduler = true``),
+  plus the tables the command declares (``[apps.chat]``, say). A flag given
+  on the command line overrides the file's key (a repeatable flag replaces
+  the file's list). The file's values go through the flags' own checks, and
+  a bad one is one line naming the file and the key; a relative path in it
+  is relative to the file.
+- :func:`run_until_signal`: a command's ``trio.run``: SIGINT or SIGTERM
+  drains, a second stops at once, SIGHUP reloads.
+- ``type=`` checkers for flags: :func:`port_number`, :func:`at_least`,
+  :func:`seconds`, :func:`between`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+import trio
+
+Section = Callable[[Any], object]
+"""How a command reads one table of its config file (``CommandParser(sections=...)``): it takes the
+TOML value and returns what the namespace holds under the table's name, raising ``ValueError`` or
+``TypeError`` with what is wrong."""
+
+
+class Drainable(Protocol):
+    """What :func:`run_until_signal` runs: anything with an async ``shutdown(grace)`` that drains.
+
+    If it also has an async ``reload()`` (as :class:`~blocks.Chain` does), SIGHUP calls it.
+    """
+
+    async def shutdown(self, grace: float) -> None: ...
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The command line of a proxyblocks command: a bad flag is one line, ``proxyblocks: error: ...``, and exit code 2.
+
+    It adds ``--config FILE`` (see the module's docstring): ``sections`` names
+    the config file's tables and how each is read; a table the file does not
+    have is None in the namespace. (argparse would print its usage before an
+    error; ``--help`` still shows it, with every default.) Flags are never
+    abbreviated, so a config key and its flag are one name.
+    """
+
+    def __init__(self, *args: Any, sections: Mapping[str, Section] | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.sections = {name.replace("-", "_"): read for name, read in (sections or {}).items()}
+        self.set_defaults(**dict.fromkeys(self.sections))
+        self.add_argument(
+            "--config", type=Path, metavar="FILE", help="a TOML file of settings, keyed by the long flags' names"
+        )
+        self._raising = False
+
+    def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
+        """The flags of a command that listens: ``--host``, ``--port``, ``--grace`` and, with
+        ``tls``, ``--tls`` (a self-signed certificate), ``--cert FILE`` and ``--key FILE``
+        (which go together: one without the other is an error)."""
+        self.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+        self.add_argument("--port", type=port_number, default=0, help="the port to listen on (0: any free port)")
+        self.add_argument("--grace", type=seconds, default=grace, help="seconds requests in flight get on shutdown")
+        if tls:
+            self.add_argument("--tls", action="store_true", help="serve HTTPS with a generated self-signed certificate")
+            self.add_argument("--cert", type=Path, metavar="FILE", help="serve HTTPS with this certificate chain (PEM)")
+            self.add_argument("--key", type=Path, metavar="FILE", help="the private key of --cert (PEM)")
+
+    def error(self, message: str) -> NoReturn:
+        if self._raising:
+            raise ValueError(message)
+        self.exit(2, f"proxyblocks: error: {message}\n")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace:
+        """Parse the flags (``sys.argv`` by default) over the ``--config`` file's settings."""
+        argv = sys.argv[1:] if args is None else list(args)
+        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        pre.add_argument("--config", type=Path)
+        path = pre.parse_known_args(argv)[0].config
+        settings = argparse.Namespace(**(self._read_config(path, argv) if path is not None else {}))
+        parsed = super().parse_args(argv, settings)
+        if (getattr(parsed, "cert", None) is None) != (getattr(parsed, "key", None) is None):
+            self.error("--cert and --key go together")
+        return parsed
+
+    def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:
+        """:meth:`parse_args` again, for a reload: the config file is read anew, and a bad
+        setting raises ``ValueError`` (the message the command line would print) instead of exiting."""
+        self._raising = True
+        try:
+            return self.parse_args(args)
+        finally:
+            self._raising = False
+
+    def _read_config(self, path: Path, argv: Sequence[str]) -> dict[str, object]:
+        try:
+            with path.open("rb") as file:
+                document = tomllib.load(file)
+        except OSError as exc:
+            self.error(f"--config {path}: {exc.strerror or exc}")
+        except tomllib.TOMLDecodeError as exc:
+            self.error(f"--config {path}: not TOML: {exc}")
+        flags = {
+            option[2:].replace("-", "_"): action
+            for action in self._actions
+            for option in action.option_strings
+            if option.startswith("--") and action.dest not in ("help", "config")
+        }
+        given = {option.split("=", 1)[0] for option in argv if option.startswith("--")}
+        settings: dict[str, object] = {}
+        for key, value in document.items():
+            name = key.replace("-", "_")
+            where = f"{path}: {key}"
+            if name in self.sections:
+                try:
+                    settings[name] = self.sections[name](value)
+                except (ValueError, TypeError) as exc:
+                    self.error(f"{where}: {exc}")
+                continue
+            action = flags.get(name)
+            if action is None:
+                known = sorted(name.replace("_", "-") for name in flags | self.sections)
+                self.error(f"{where}: not a setting (the settings: {', '.join(known)})")
+            if not given.isdisjoint(action.option_strings):
+                continue  # the command line says otherwise
+            settings[action.dest] = self._setting(action, value, where, path.parent)
+        return settings
+
+    def _setting(self, action: argparse.Action, value: object, where: str, base: Path) -> object:
+        if action.nargs == 0:  # a switch: store_true, store_false
+            if type(value) is not bool:
+                self.error(f"{where}: true or false, not {value!r}")
+            return action.const if value else action.default
+        if isinstance(action, argparse._AppendAction):  # a repeatable flag takes a list
+            values = value if isinstance(value, list) else [value]
+            return [self._value(action, one, where, base) for one in values]
+        return self._value(action, value, where, base)
+
+    def _value(self, action: argparse.Action, value: object, where: str, base: Path) -> object:
+        if isinstance(value, dict | list) or type(value) is bool:
+            self.error(f"{where}: {value!r} is not a value this setting takes")
+        try:
+            result = action.type(str(value)) if callable(action.type) else str(value)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            self.error(f"{where}: {exc}")
+        if action.choices is not None and result not in action.choices:
+            self.error(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        if isinstance(result, Path) and not result.is_absolute():
+            result = base / result
+        return result
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port, 0 (any free port) to 65535."""
+    if not (text.isascii() and text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return int(text)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number, ``minimum`` or more."""
+
+    def parse(text: str) -> int:
+        if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and int(text) >= minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
+        return int(text)
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
+
+
+def between(low: float, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse ``type``: a number from ``low`` to ``high`` (a share: ``between(0, 1)``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number from {low:g} to {high:g}")
+        return value
+
+    return parse
+
+
+def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10.0) -> None:
+    """Run ``start`` (a ``serve_*``-style function reporting a :class:`Drainable`) until SIGINT or SIGTERM.
+
+    A command's ``trio.run``. The first signal prints ``draining...``, calls
+    the reported object's ``shutdown(grace)``, prints ``stopped`` and
+    returns (exit status 0). A second signal while draining prints
+    ``stopping now`` and cancels everything at once; the process then exits
+    with 128 + the signal's number (130 for SIGINT), with no traceback.
+    SIGHUP calls the reported object's ``reload()``, if it has one, and
+    prints ``reloaded``, or one line ``proxyblocks: reload failed: ...`` on
+    stderr (an ``OSError`` or ``ValueError``: what was in force stays); the
+    command serves on either way, and a SIGHUP during a reload waits for it.
+    If ``start`` ends by itself, so does this (printing nothing). If it
+    fails before it reports (a port in use, a route file that does not
+    load: an ``OSError`` or a ``ValueError``), that is one line on stderr,
+    ``proxyblocks: error: ...``, and exit code 2; an error after that
+    propagates.
+    """
+    try:
+        code = trio.run(_until_signal, start, grace)
+    except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place, or after
+        code = 128 + signal.SIGINT
+    except BaseException as exc:
+        failed = _one_cause(exc)  # (the nurseries on the way out wrap it)
+        if not isinstance(failed, _StartFailed):
+            raise
+        print(f"proxyblocks: error: {_reason(failed.reason)}", file=sys.stderr, flush=True)
+        code = 2
+    if code:
+        raise SystemExit(code)
+
+
+class _StartFailed(Exception):
+    def __init__(self, reason: BaseException) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
+
+
+def _reason(error: BaseException) -> str:
+    """One line for an ``OSError`` or a ``ValueError``: ``FILE: No such file or directory``, say."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    return str(error)
+
+
+def _one_cause(error: BaseException) -> BaseException:
+    """The one error inside nested exception groups of one (what nurseries wrap), else ``error`` itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+async def _reload(reload: Callable[[], Awaitable[None]], lock: trio.Lock) -> None:
+    async with lock:
+        try:
+            await reload()
+        except (OSError, ValueError) as exc:
+            print(f"proxyblocks: reload failed: {_reason(exc)}", file=sys.stderr, flush=True)
+        else:
+            print("reloaded", flush=True)
+
+
+async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> int:
+    code = 0
+    drained = False
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def serve(task_status: trio.TaskStatus[Drainable]) -> None:
+                await start(task_status=task_status)
+                nursery.cancel_scope.cancel()  # it ended: stop waiting for a signal
+
+            async def second() -> None:
+                nonlocal code
+                async for signum in signals:
+                    if signum != signal.SIGHUP:
+                        print("stopping now", flush=True)
+                        code = 128 + signum
+                        nursery.cancel_scope.cancel()
+
+            try:
+                target: Drainable = await nursery.start(serve)
+            except BaseException as exc:
+                cause = _one_cause(exc)
+                if isinstance(cause, OSError | ValueError):
+                    raise _StartFailed(cause) from None
+                raise
+            reload: Callable[[], Awaitable[None]] | None = getattr(target, "reload", None)
+            reloads = trio.Lock()
+            async for signum in signals:
+                if signum != signal.SIGHUP:
+                    break
+                if reload is not None:
+                    nursery.start_soon(_reload, reload, reloads)
+            print("draining...", flush=True)
+            nursery.start_soon(second)
+            await target.shutdown(grace)
+            drained = True
+            nursery.cancel_scope.cancel()
+    if drained and not code:
+        print("stopped", flush=True)
+    return code
+
+
+__all__ = [
+    "CommandParser",
+    "Drainable",
+    "Section",
+    "at_least",
+    "between",
+    "port_number",
+    "run_until_signal",
+    "seconds",
+]
