@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -290,11 +291,25 @@ class _Attempt:
         self.error: BaseException | None = None
 
 
+Dial = Callable[[], Awaitable[trio.abc.Stream]]
+"""How a pool opens a connection to its address: TCP, or TCP and a TLS handshake."""
+
+
 class _H2Pool:
-    def __init__(self, address: Address, config: UpstreamConfig, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        address: Address,
+        config: UpstreamConfig,
+        nursery: trio.Nursery,
+        *,
+        dial: Dial | None = None,
+        protocol: str = "h2",
+    ) -> None:
         self.address = address
         self.config = config
         self.nursery = nursery
+        self.protocol = protocol  # as the statistics name it: "h2", or "https" over TLS
+        self._dial: Dial = dial or functools.partial(trio.open_tcp_stream, *address)
         self.connections: list[H2ClientConnection] = []
         # Streams waiting for a response head -> their deadline. Insertion
         # order is deadline order (one timeout per pool), so the sweeper only
@@ -307,7 +322,7 @@ class _H2Pool:
     def statistics(self) -> PoolStatistics:
         connections = tuple(c.statistics() for c in self.connections)
         streams = sum(c.streams for c in connections)
-        return PoolStatistics(self.address, "h2", len(connections), streams, self.retries, connections)
+        return PoolStatistics(self.address, self.protocol, len(connections), streams, self.retries, connections)
 
     def slot_freed(self) -> None:
         self._freed.set()
@@ -320,16 +335,19 @@ class _H2Pool:
     async def _connect(self, attempt: _Attempt) -> None:
         try:
             with trio.fail_after(self.config.connect_timeout):
-                stream = await trio.open_tcp_stream(*self.address)
-                conn = H2ClientConnection(stream, self)
-                await self.nursery.start(conn.run)
-            self.connections.append(conn)
+                await self.adopt(await self._dial())
         except (OSError, trio.TooSlowError, RuntimeError) as exc:
             attempt.error = exc
         finally:
             self._attempt = None
             attempt.done.set()
             self._freed.set()
+
+    async def adopt(self, stream: trio.abc.Stream) -> None:
+        """Run an h2 connection on ``stream`` (just opened); it joins the pool once the peer's SETTINGS came."""
+        conn = H2ClientConnection(stream, self)
+        await self.nursery.start(conn.run)
+        self.connections.append(conn)
 
     def _free(self, avoid: H2ClientConnection | None = None) -> H2ClientConnection | None:
         for conn in self.connections:
