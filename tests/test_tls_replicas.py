@@ -108,7 +108,11 @@ def server_context_for(ca: trustme.CA, name: str = "localhost") -> ssl.SSLContex
 
 
 async def h2_replica(
-    nursery: trio.Nursery, ca: trustme.CA, name: str = "localhost", release: trio.Event | None = None
+    nursery: trio.Nursery,
+    ca: trustme.CA,
+    name: str = "localhost",
+    release: trio.Event | None = None,
+    context: ssl.SSLContext | None = None,
 ) -> HTTPServer:
     """The project's listener over TLS (ALPN h2 and http/1.1), saying which HTTP version it heard.
 
@@ -127,7 +131,7 @@ async def h2_replica(
             return Response(200, [(b"x-heard", request.http_version.encode())], IterBody(chunks()))
         return text_response(200, f"h2-capable over HTTP/{request.http_version}\n")
 
-    context = server_context_for(ca, name)
+    context = context or server_context_for(ca, name)
     server: HTTPServer = await nursery.start(functools.partial(serve_http, handler, host=HOST, ssl_context=context))
     return server
 
@@ -214,6 +218,38 @@ async def test_a_certificate_that_does_not_verify_is_a_502_that_says_why(
             message = str(info.value)
             assert message.startswith(f"cannot connect to localhost:{bad.port}: TLS handshake failed: {why}")
             assert "\n" not in message and info.value.status == 502
+
+
+async def test_a_cleartext_server_named_https_is_a_502_that_says_so(nursery: trio.Nursery, ca_file: Path) -> None:
+    async def hello(request: Request) -> Response:
+        return text_response(200, "cleartext\n")
+
+    with trio.fail_after(20):
+        server: HTTPServer = await nursery.start(functools.partial(serve_http, hello, host=HOST))
+        async with open_upstreams(UpstreamConfig(ca_file=ca_file)) as ups:
+            request = Request(b"GET", b"https", b"localhost", b"/")
+            with pytest.raises(UpstreamConnectError, match="TLS handshake failed: wrong version number"):
+                await ups.request(("localhost", server.port), request, [], protocol="https")
+
+
+async def test_a_later_connection_that_settles_on_another_protocol_is_refused(
+    nursery: trio.Nursery, ca: trustme.CA, ca_file: Path
+) -> None:
+    with trio.fail_after(20):
+        release = trio.Event()
+        context = server_context_for(ca)
+        replica = await h2_replica(nursery, ca, release=release, context=context)
+        config = UpstreamConfig(ca_file=ca_file, max_streams_per_connection=1)
+        async with open_upstreams(config) as ups:
+            address = ("localhost", replica.port)
+            first = await ups.request(
+                address, Request(b"GET", b"https", b"localhost", b"/stream"), [], protocol="https"
+            )
+            context.set_alpn_protocols(["http/1.1"])  # the replica, replaced by one that speaks only HTTP/1.1
+            with pytest.raises(UpstreamConnectError, match=r"ALPN settled on http/1\.1, where this pool speaks h2"):
+                await ups.request(address, Request(b"GET", b"https", b"localhost", b"/"), [], protocol="https")
+            release.set()
+            assert await first.body.read_all() == CHUNK * CHUNKS  # the connection it had is untouched
 
 
 # -- through the chain -----------------------------------------------------------------------

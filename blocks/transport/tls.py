@@ -29,9 +29,11 @@ def client_context(ca_file: Path | None = None) -> ssl.SSLContext:
     """
     try:
         context = ssl.create_default_context(cafile=ca_file)
-    except OSError as exc:  # (ssl.SSLError is one)
-        why = exc.strerror or getattr(exc, "reason", None) or str(exc)
+    except ssl.SSLError as exc:
+        why = f"not a PEM file of CA certificates ({(exc.reason or 'unreadable').lower().replace('_', ' ')})"
         raise OSError(f"cannot load the CA file {ca_file}: {why}") from None
+    except OSError as exc:
+        raise OSError(f"cannot load the CA file {ca_file}: {exc.strerror or exc}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(["h2", "http/1.1"])
     return context

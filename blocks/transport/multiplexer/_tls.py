@@ -42,6 +42,8 @@ def _why(exc: BaseException) -> str:
     if isinstance(cause, ssl.SSLCertVerificationError):
         return f"TLS handshake failed: certificate verify failed: {cause.verify_message}"
     if isinstance(cause, ssl.SSLError):
+        if cause.reason == "WRONG_VERSION_NUMBER":
+            return "TLS handshake failed: wrong version number (not a TLS server?)"
         reason = (cause.reason or str(cause)).lower().replace("_", " ")
         return f"TLS handshake failed: {reason}"
     return "TLS handshake failed: the upstream closed the connection"
