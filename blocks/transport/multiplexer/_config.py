@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import attrs
+import trio
 
 from blocks.transport import Address
 from blocks.transport._h2 import H2ConnectionStatistics
 
 log = logging.getLogger("blocks.multiplexer")
+
+Dial = Callable[[], Awaitable[trio.abc.Stream]]
+"""How a pool opens a connection to its address: TCP (the default), or TCP and a TLS handshake."""
 
 
 @attrs.frozen(kw_only=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
 
 import h11
 import trio
@@ -25,7 +24,7 @@ from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, abandon, e
 from blocks.transport import Address
 from blocks.transport._h1 import H1Body, H1Stream
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, new_key
-from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.transport.multiplexer._config import Dial, PoolStatistics, UpstreamConfig
 
 log = logging.getLogger("blocks.multiplexer")
 
@@ -87,14 +86,14 @@ class _H1Pool:
         config: UpstreamConfig,
         nursery: trio.Nursery,
         *,
-        dial: Callable[[], Awaitable[trio.abc.Stream]] | None = None,
+        dial: Dial | None = None,
         protocol: str = "h1",
     ) -> None:
         self.address = address
         self.config = config
         self.nursery = nursery
         self.protocol = protocol  # as the statistics name it: "h1", or "https" over TLS
-        self._dial = dial or functools.partial(trio.open_tcp_stream, *address)
+        self._dial: Dial = dial or functools.partial(trio.open_tcp_stream, *address)
         self.idle: list[_H1Connection] = []
         self.active = 0
         self.tunnels: set[_H1Tunnel] = set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -16,7 +16,7 @@ from blocks.transport import Address
 from blocks.transport._codec import ErrorCodes, EventKind, ProtocolError, make_h2
 from blocks.transport._h2 import H2Driver, H2Stream, flush_marked, in_batch
 from blocks.transport._splice import HeadFilter, Sink, Splice
-from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.transport.multiplexer._config import Dial, PoolStatistics, UpstreamConfig
 from blocks.transport.multiplexer._h2retry import _Refused, _Replay, _Upload
 
 log = logging.getLogger("blocks.multiplexer")
@@ -289,10 +289,6 @@ class _Attempt:
     def __init__(self) -> None:
         self.done = trio.Event()
         self.error: BaseException | None = None
-
-
-Dial = Callable[[], Awaitable[trio.abc.Stream]]
-"""How a pool opens a connection to its address: TCP, or TCP and a TLS handshake."""
 
 
 class _H2Pool:
