@@ -134,7 +134,9 @@ def parser() -> argparse.ArgumentParser:
     replica.add_argument("name")
     replica.add_argument("--worker", required=True, type=_host_port, help="the worker in front of it, host:port")
     replica.add_argument("--address", required=True, type=_host_port, help="the replica, as the worker sees it")
-    replica.add_argument("--protocol", choices=("h2", "h1"), default="h2", help="worker -> replica (default: h2)")
+    replica.add_argument(
+        "--protocol", choices=("h2", "h1", "https"), default="h2", help="worker -> replica (default: h2)"
+    )
     replica.add_argument("--capacity", type=_capacity, default=0, help="requests at once, 0 = unknown (default)")
     replica.add_argument("--state", choices=REPLICA_STATES, default="live", help="default: live")
 

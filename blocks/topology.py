@@ -62,20 +62,24 @@ BuildChain = Callable[["Chain"], Awaitable[None]]
 """What :func:`serve_chain` calls to start a chain's parts, in order."""
 
 
-REPLICA_SCHEMES = {"http": "h1", "h2c": "h2"}
+REPLICA_SCHEMES = {"http": "h1", "h2c": "h2", "https": "https"}
 """The schemes :func:`replica_from_url` takes, and the protocol the worker speaks for each."""
 
 
 def replica_from_url(url: str) -> LocalReplica:
-    """A server of yours as a replica: ``http://host:port`` (HTTP/1.1) or ``h2c://host:port`` (HTTP/2, prior knowledge).
+    """A server of yours as a replica: ``http://host:port`` (HTTP/1.1), ``h2c://host:port``
+    (HTTP/2, prior knowledge) or ``https://host:port`` (TLS, ALPN ``h2`` else ``http/1.1``).
 
-    Raises ``ValueError`` saying what is wrong: another scheme (``https``
-    replicas are not supported yet), a path, or a missing or bad port.
+    An ``https`` replica's certificate must name ``host`` as written (it is
+    the SNI too): a name stays a name, never the address it resolves to.
+    The worker verifies it against the system's trust store, or
+    ``UpstreamConfig(ca_file=...)``. Raises ``ValueError`` saying what is
+    wrong: another scheme, a path, or a missing or bad port.
     """
     scheme, sep, rest = url.partition("://")
     protocol = REPLICA_SCHEMES.get(scheme.lower())
     if not sep or protocol is None:
-        raise ValueError(f"{url!r}: a replica URL is http://host:port or h2c://host:port")
+        raise ValueError(f"{url!r}: a replica URL is http://host:port, h2c://host:port or https://host:port")
     if rest.rstrip("/").count("/"):
         raise ValueError(f"{url!r}: a replica URL names a server, not a path")
     try:

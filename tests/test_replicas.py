@@ -84,9 +84,7 @@ async def test_the_chain_recipe_fronts_your_server(tmp_path: Path) -> None:
             assert await process.wait() == 0
 
 
-@pytest.mark.parametrize(
-    "url", ["ftp://127.0.0.1:8443", "http://127.0.0.1", "h2c://127.0.0.1:9000/api", "127.0.0.1:80"]
-)
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:21", "http://127.0.0.1", "h2c://127.0.0.1:9000/api", "127.0.0.1:80"])
 async def test_a_replica_url_it_cannot_use_is_a_one_line_error_and_exit_code_2(url: str) -> None:
     with trio.fail_after(30):
         result = await trio.run_process(

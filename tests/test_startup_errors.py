@@ -46,7 +46,7 @@ def assert_one_line_error(code: int, stdout: str, stderr: str, *names: str) -> N
         (["--replicas", "0"], ["--replicas", "0"]),
         (["--grace", "-1"], ["--grace"]),
         (["--replica-timeout", "nan"], ["--replica-timeout"]),
-        (["--replica", "https://127.0.0.1:8443"], ["--replica", "https://127.0.0.1:8443"]),
+        (["--replica", "ftp://127.0.0.1:21"], ["--replica", "ftp://127.0.0.1:21"]),
         (["--no-such-flag"], ["--no-such-flag"]),
         (["--role", "edge"], ["--role edge", "needs --next-hop"]),
         (["--role", "proxy", "--replica", "http://127.0.0.1:1"], ["--role proxy", "--next-hop"]),

@@ -67,7 +67,8 @@ class Forward:
     """Where one request goes next: the ``route`` phase's result.
 
     ``headers`` are the fields it goes with (``dispatched`` may edit them);
-    ``protocol`` is ``"h2"`` (pooled, spliced when it can be) or ``"h1"``.
+    ``protocol`` is ``"h2"`` (pooled, spliced when it can be), ``"h1"``, or
+    ``"https"`` (TLS; spliced too once its handshake settled on h2).
     """
 
     __slots__ = ("address", "headers", "protocol")
@@ -345,7 +346,7 @@ class Hop:
             exchange.error = HopFailed(f"{self.name} failed deciding the request")
             return False
         try:
-            spliced = forward.protocol == "h2" and self.upstreams.splice(
+            spliced = forward.protocol != "h1" and self.upstreams.splice(
                 forward.address,
                 request,
                 forward.headers,
@@ -354,6 +355,7 @@ class Hop:
                 request_ended=ended,
                 head_filter=exchange.head,
                 on_close=exchange.closed,
+                protocol=forward.protocol,
             )
         except Exception:
             log.exception("%s failed splicing %r %r", self.name, request.method, request.path)

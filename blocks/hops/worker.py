@@ -31,11 +31,13 @@ class LocalReplica:
     ``capacity``: how many requests it takes at once, as the worker's load
     endpoint reports it (0, the default: unknown). ``max_sessions``: how
     many sessions it hosts at once, when its worker keeps sessions (0: no
-    limit but the worker's own ``max_sessions``).
+    limit but the worker's own ``max_sessions``). ``protocol``: ``"h2"``
+    (cleartext, prior knowledge), ``"h1"``, or ``"https"`` (TLS, ALPN ``h2``
+    else ``http/1.1``; the certificate must name ``address``'s host).
     """
 
     address: Address
-    protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
+    protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1", "https")))
     capacity: int = attrs.field(default=0, kw_only=True, validator=attrs.validators.ge(0))
     max_sessions: int = attrs.field(default=0, kw_only=True, validator=attrs.validators.ge(0))
 

@@ -5,7 +5,7 @@ JSON values, and a :class:`~blocks.routing.RouteCache` reads exactly this::
 
     domains/<domain>               {"app": "<app>"}
     apps/<app>/replicas/<name>     {"worker": "host:port", "address": "host:port",
-                                    "protocol": "h2" | "h1", "capacity": <int, 0 = unknown>,
+                                    "protocol": "h2" | "h1" | "https", "capacity": <int, 0 = unknown>,
                                     "state": "live" | "draining" | "down"}
     apps/<app>/settings            {"mirror": {...}, ...}: one field per feature (see ``_settings``)
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from blocks.routing._table import STATES, Replica
+from blocks.routing._table import PROTOCOLS, STATES, Replica
 from blocks.transport import Address
 
 DOMAINS_PREFIX = "domains/"
@@ -91,8 +91,8 @@ def encode_replica(
     state: str = "live",
 ) -> bytes:
     """The value of a replica's route; ``worker`` and ``address`` as ``(host, port)`` or ``"host:port"``."""
-    if protocol not in ("h2", "h1"):
-        raise ValueError(f"protocol must be 'h2' or 'h1', not {protocol!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
     if state not in STATES:
         raise ValueError(f"state must be one of {STATES}, not {state!r}")
     if type(capacity) is not int or capacity < 0:
@@ -142,7 +142,7 @@ def decode_replica(name: str, value: bytes) -> Replica:
     worker = _address_field(fields, "worker")
     address = _address_field(fields, "address")
     protocol = fields.get("protocol", "h2")
-    if protocol not in ("h2", "h1"):
+    if protocol not in PROTOCOLS:
         raise ValueError("bad protocol")
     capacity = fields.get("capacity", 0)
     if type(capacity) is not int or capacity < 0:

@@ -12,6 +12,9 @@ from blocks.transport import Address
 if TYPE_CHECKING:
     from blocks.routing._settings import AppSettings
 
+PROTOCOLS = ("h2", "h1", "https")
+"""What a worker may speak to a replica: cleartext HTTP/2 (prior knowledge), HTTP/1.1, or TLS with ALPN."""
+
 STATES = ("live", "draining", "down")
 """A replica's states. Only ``live`` replicas are offered to a policy by a :class:`RouteCache`."""
 
@@ -22,16 +25,17 @@ class Replica:
 
     ``name`` is unique across the fleet; ``worker`` is the worker's address
     (the proxy's upstream); ``address`` is the replica's own address as the
-    worker sees it; ``protocol`` is what the worker speaks to it (``h2`` or
-    ``h1``). ``capacity`` is how many requests it serves at once (``0``:
-    unknown), for policies and probers that want it; ``state`` is ``live``,
-    ``draining`` or ``down``.
+    worker sees it; ``protocol`` is what the worker speaks to it (``h2``,
+    ``h1``, or ``https``: TLS, its ALPN settling on h2 or h1). ``capacity``
+    is how many requests it serves at once (``0``: unknown), for policies
+    and probers that want it; ``state`` is ``live``, ``draining`` or
+    ``down``.
     """
 
     name: str
     worker: Address
     address: Address
-    protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(("h2", "h1")))
+    protocol: str = attrs.field(default="h2", validator=attrs.validators.in_(PROTOCOLS))
     capacity: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
     state: str = attrs.field(default="live", validator=attrs.validators.in_(STATES))
     target: bytes = attrs.field(init=False, eq=False, repr=False)

@@ -10,7 +10,7 @@ A route file is the whole routing state of one embedded store::
     [apps.chat.replicas.r1]
     worker = "127.0.0.1:9001"        # the worker in front of it (the proxy's upstream)
     address = "127.0.0.1:8001"       # the replica itself, as the worker sees it
-    protocol = "h2"                  # optional: "h2" (default) or "h1"
+    protocol = "h2"                  # optional: "h2" (default), "h1" or "https"
     capacity = 0                     # optional: 0 (default) means unknown
     state = "live"                   # optional: "live" (default)
 

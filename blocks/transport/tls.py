@@ -1,4 +1,4 @@
-"""TLS server contexts.
+"""TLS contexts: the listener's server side, the upstream pools' client side.
 
 Production deployments bring their own certificate; demos and tests make a
 self-signed one with :func:`blocks.testing.make_self_signed`.
@@ -19,6 +19,27 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
+def client_context(ca_file: Path | None = None) -> ssl.SSLContext:
+    """A client context offering ALPN ``h2`` and ``http/1.1``, TLS 1.2 or newer.
+
+    It verifies the server's chain and host name against ``ca_file`` (PEM,
+    one or more CA certificates) or, without one, the system's trust store.
+    Raises ``OSError`` naming the file when ``ca_file`` cannot be read or
+    holds no certificate.
+    """
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except ssl.SSLError as exc:
+        why = f"not a PEM file of CA certificates ({(exc.reason or 'unreadable').lower().replace('_', ' ')})"
+        raise OSError(f"cannot load the CA file {ca_file}: {why}") from None
+    except OSError as exc:
+        raise OSError(f"cannot load the CA file {ca_file}: {exc.strerror or exc}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
 __all__ = [
+    "client_context",
     "server_context",
 ]

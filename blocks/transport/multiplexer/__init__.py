@@ -29,6 +29,12 @@ request per connection at a time. A reused connection that turns out to be
 closed is retried once on a fresh one when nothing of the request body was
 sent.
 
+TLS upstreams (``protocol="https"``): the first handshake's ALPN (``h2``,
+else ``http/1.1``) makes the address's pool an h2 or an h1 one, with all of
+the above; the certificate is verified against the system's trust store or
+``UpstreamConfig.ca_file``, through one client context per ``Upstreams``
+(see ``_tls``).
+
 Request bodies are pumped by a task in the pool's nursery (it outlives a
 refused first stream), so a handler can return the response (and a listener
 start sending it) while the upload is still going: bidirectional streaming.
@@ -37,6 +43,7 @@ start sending it) while the upload is still going: bidirectional streaming.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -51,6 +58,8 @@ from blocks.transport._splice import HeadFilter, Sink
 from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 from blocks.transport.multiplexer._h1pool import _H1Pool
 from blocks.transport.multiplexer._h2pool import _H2Pool
+from blocks.transport.multiplexer._tls import _TlsPool
+from blocks.transport.tls import client_context
 
 log = logging.getLogger("blocks.multiplexer")
 
@@ -67,6 +76,7 @@ class Upstreams:
     config: UpstreamConfig
     _nursery: trio.Nursery
     _pools: dict[tuple[Address, str], Any] = attrs.field(factory=dict)
+    _tls: ssl.SSLContext | None = None  # made once, at the first https pool (or at open, with a ca_file)
 
     def statistics(self) -> list[PoolStatistics]:
         return [pool.statistics() for pool in self._pools.values()]
@@ -93,6 +103,7 @@ class Upstreams:
         request_ended: bool,
         head_filter: HeadFilter | None = None,
         on_close: Callable[[], None] | None = None,
+        protocol: str = "h2",
     ) -> bool:
         """The fast path: join ``down_st`` to a new h2 stream to ``address``, if one is free now.
 
@@ -101,23 +112,25 @@ class Upstreams:
         open one). ``on_close`` runs once when the exchange ends, however it ends.
         A stream the upstream refuses before any request body byte went up is
         spliced once more, on another connection (opened if need be).
+        ``protocol`` is ``"h2"``, or ``"https"`` (spliced once the first
+        handshake to ``address`` settled on h2); ``"h1"`` is never spliced.
         """
-        pool = self._pools.get((address, "h2"))
+        pool = self._pools.get((address, protocol))
         if pool is None:
             return False
         done: bool = pool.splice(request, headers, down, down_st, request_ended, head_filter, on_close)
         return done
 
-    def sink(self, address: Address, request: Request, headers: Headers, sink: Sink) -> bool:
+    def sink(self, address: Address, request: Request, headers: Headers, sink: Sink, *, protocol: str = "h2") -> bool:
         """Send a body-less ``request`` to ``address`` now, its response to ``sink``; no task.
 
         Returns False, having done nothing, when no pooled h2 connection has
         a free stream slot (the caller then takes the awaiting path). The
         pool's timeout bounds the wait for the response head (``failed`` with
         :class:`~blocks.errors.UpstreamTimeout`); the sink bounds the rest.
-        Nothing is sent again: a refused stream fails.
+        Nothing is sent again: a refused stream fails. ``protocol`` as for :meth:`splice`.
         """
-        pool = self._pools.get((address, "h2"))
+        pool = self._pools.get((address, protocol))
         if pool is None:
             return False
         done: bool = pool.sink(request, headers, sink)
@@ -134,10 +147,14 @@ class Upstreams:
     ) -> Response:
         """Send ``request`` (its method, scheme, authority, path and body) with ``headers``.
 
+        ``protocol`` is ``"h2"`` (cleartext, prior knowledge), ``"h1"``, or
+        ``"https"`` (TLS; ALPN settles on h2 or HTTP/1.1).
+
         Returns once the response head arrived. Raises
         :class:`~blocks.errors.UpstreamConnectError` (502) when the upstream
-        cannot be reached, :class:`~blocks.errors.UpstreamTimeout` (504) when
-        no head comes within ``timeout`` (default ``response_timeout``),
+        cannot be reached or its TLS handshake fails (the message says why),
+        :class:`~blocks.errors.UpstreamTimeout` (504) when no head comes
+        within ``timeout`` (default ``response_timeout``),
         :class:`~blocks.errors.UpstreamProtocolError` (502) when the stream
         dies before its head.
 
@@ -153,6 +170,10 @@ class Upstreams:
                 pool = _H2Pool(address, self.config, self._nursery)
             elif protocol == "h1":
                 pool = _H1Pool(address, self.config, self._nursery)
+            elif protocol == "https":
+                if self._tls is None:
+                    self._tls = client_context(self.config.ca_file)
+                pool = _TlsPool(address, self.config, self._nursery, self._tls, self._pools)
             else:
                 raise ValueError(f"unknown upstream protocol {protocol!r}")
             self._pools[(address, protocol)] = pool
@@ -166,10 +187,14 @@ class Upstreams:
 async def open_upstreams(config: UpstreamConfig | None = None) -> AsyncIterator[Upstreams]:
     """The upstream pools of one hop, alive for the ``async with`` block.
 
-    Leaving the block closes every pooled connection.
+    Leaving the block closes every pooled connection. With a ``ca_file``
+    in ``config``, the TLS client context is made here: a file that cannot
+    be loaded is an ``OSError`` at once, not a 502 at the first request.
     """
+    config = config or UpstreamConfig()
+    tls = None if config.ca_file is None else client_context(config.ca_file)
     async with trio.open_nursery() as nursery:
-        upstreams = Upstreams(config or UpstreamConfig(), nursery)
+        upstreams = Upstreams(config, nursery, tls=tls)
         nursery.start_soon(upstreams._sweep)
         try:
             yield upstreams

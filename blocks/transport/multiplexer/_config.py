@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import attrs
+import trio
 
 from blocks.transport import Address
 from blocks.transport._h2 import H2ConnectionStatistics
 
 log = logging.getLogger("blocks.multiplexer")
+
+Dial = Callable[[], Awaitable[trio.abc.Stream]]
+"""How a pool opens a connection to its address: TCP (the default), or TCP and a TLS handshake."""
 
 
 @attrs.frozen(kw_only=True)
@@ -21,6 +27,9 @@ class UpstreamConfig:
     head is not bounded by it. ``stall_timeout`` bounds each write into an
     h1 tunnel (a WebSocket to an h1 upstream): an upstream that stops
     reading for that long has the tunnel closed on both sides.
+
+    ``ca_file`` (PEM) is what ``https`` upstreams' certificates are verified
+    against, instead of the system's trust store.
     """
 
     connect_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
@@ -33,6 +42,7 @@ class UpstreamConfig:
     max_header_list_size: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1024))
     timeout_resolution: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
     stall_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    ca_file: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
 
 
 @attrs.frozen

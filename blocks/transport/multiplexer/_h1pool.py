@@ -13,6 +13,7 @@ connection, which ends the other.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import h11
@@ -23,7 +24,7 @@ from blocks.http import HOP_BY_HOP, Body, Headers, Request, Response, abandon, e
 from blocks.transport import Address
 from blocks.transport._h1 import H1Body, H1Stream
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, new_key
-from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.transport.multiplexer._config import Dial, PoolStatistics, UpstreamConfig
 
 log = logging.getLogger("blocks.multiplexer")
 
@@ -36,9 +37,12 @@ _OWN_FIELDS = frozenset({*KEY_FIELDS, b"sec-websocket-version", b"content-length
 class _H1Connection(H1Stream):
     __slots__ = ("pumping", "tcp")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         super().__init__(stream, h11.Connection(h11.CLIENT))
-        self.tcp = stream
+        # The socket under it (under TLS too): a connection we drop is closed at once, without a flush.
+        tcp = stream.transport_stream if type(stream) is trio.SSLStream else stream
+        assert type(tcp) is trio.SocketStream
+        self.tcp = tcp
         self.pumping = False
 
     def close(self) -> None:
@@ -76,16 +80,36 @@ class H1ResponseBody(H1Body):
 
 
 class _H1Pool:
-    def __init__(self, address: Address, config: UpstreamConfig, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        address: Address,
+        config: UpstreamConfig,
+        nursery: trio.Nursery,
+        *,
+        dial: Dial | None = None,
+        protocol: str = "h1",
+    ) -> None:
         self.address = address
         self.config = config
         self.nursery = nursery
+        self.protocol = protocol  # as the statistics name it: "h1", or "https" over TLS
+        self._dial: Dial = dial or functools.partial(trio.open_tcp_stream, *address)
         self.idle: list[_H1Connection] = []
         self.active = 0
         self.tunnels: set[_H1Tunnel] = set()
 
     def statistics(self) -> PoolStatistics:
-        return PoolStatistics(self.address, "h1", len(self.idle) + self.active, self.active)
+        return PoolStatistics(self.address, self.protocol, len(self.idle) + self.active, self.active)
+
+    def splice(self, *args: object) -> bool:
+        return False  # (an https upstream that negotiated HTTP/1.1: no stream to splice to)
+
+    def sink(self, *args: object) -> bool:
+        return False
+
+    def adopt(self, stream: trio.abc.Stream) -> None:
+        """Keep ``stream`` (just opened) as an idle connection: the next request takes it."""
+        self.idle.append(_H1Connection(stream))
 
     def release(self, conn: _H1Connection, reuse: bool) -> None:
         self.active -= 1
@@ -113,7 +137,7 @@ class _H1Pool:
     async def _connect(self) -> _H1Connection:
         try:
             with trio.fail_after(self.config.connect_timeout):
-                return _H1Connection(await trio.open_tcp_stream(*self.address))
+                return _H1Connection(await self._dial())
         except (OSError, trio.TooSlowError) as exc:
             raise UpstreamConnectError(f"cannot connect to {self.address[0]}:{self.address[1]}: {exc}") from exc
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from blocks.transport import Address
 from blocks.transport._codec import ErrorCodes, EventKind, ProtocolError, make_h2
 from blocks.transport._h2 import H2Driver, H2Stream, flush_marked, in_batch
 from blocks.transport._splice import HeadFilter, Sink, Splice
-from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
+from blocks.transport.multiplexer._config import Dial, PoolStatistics, UpstreamConfig
 from blocks.transport.multiplexer._h2retry import _Refused, _Replay, _Upload
 
 log = logging.getLogger("blocks.multiplexer")
@@ -291,10 +292,20 @@ class _Attempt:
 
 
 class _H2Pool:
-    def __init__(self, address: Address, config: UpstreamConfig, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        address: Address,
+        config: UpstreamConfig,
+        nursery: trio.Nursery,
+        *,
+        dial: Dial | None = None,
+        protocol: str = "h2",
+    ) -> None:
         self.address = address
         self.config = config
         self.nursery = nursery
+        self.protocol = protocol  # as the statistics name it: "h2", or "https" over TLS
+        self._dial: Dial = dial or functools.partial(trio.open_tcp_stream, *address)
         self.connections: list[H2ClientConnection] = []
         # Streams waiting for a response head -> their deadline. Insertion
         # order is deadline order (one timeout per pool), so the sweeper only
@@ -307,7 +318,7 @@ class _H2Pool:
     def statistics(self) -> PoolStatistics:
         connections = tuple(c.statistics() for c in self.connections)
         streams = sum(c.streams for c in connections)
-        return PoolStatistics(self.address, "h2", len(connections), streams, self.retries, connections)
+        return PoolStatistics(self.address, self.protocol, len(connections), streams, self.retries, connections)
 
     def slot_freed(self) -> None:
         self._freed.set()
@@ -320,16 +331,19 @@ class _H2Pool:
     async def _connect(self, attempt: _Attempt) -> None:
         try:
             with trio.fail_after(self.config.connect_timeout):
-                stream = await trio.open_tcp_stream(*self.address)
-                conn = H2ClientConnection(stream, self)
-                await self.nursery.start(conn.run)
-            self.connections.append(conn)
+                await self.adopt(await self._dial())
         except (OSError, trio.TooSlowError, RuntimeError) as exc:
             attempt.error = exc
         finally:
             self._attempt = None
             attempt.done.set()
             self._freed.set()
+
+    async def adopt(self, stream: trio.abc.Stream) -> None:
+        """Run an h2 connection on ``stream`` (just opened); it joins the pool once the peer's SETTINGS came."""
+        conn = H2ClientConnection(stream, self)
+        await self.nursery.start(conn.run)
+        self.connections.append(conn)
 
     def _free(self, avoid: H2ClientConnection | None = None) -> H2ClientConnection | None:
         for conn in self.connections:
