@@ -8,6 +8,7 @@ Run it:
     python -m recipes.chain --cert cert.pem --key key.pem      # HTTPS with your certificate
     python -m recipes.chain --replica http://127.0.0.1:8000 --replica h2c://127.0.0.1:9000
                                             # your own servers behind the chain, not the demo replicas
+    python -m recipes.chain --replica https://app.internal:8443 --replica-ca ca.pem   # TLS to them
     python -m recipes.chain --config chain.toml                # settings from a file (flags override it)
 
 One role per process, so the hops can live on different machines
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
 
 import trio
@@ -74,19 +76,20 @@ async def main(
     replica_protocol: str = "h2",
     replica_timeout: float = 30.0,
     cert_dir: Path | None = None,
+    replica_ca: Path | None = None,
     scheduler: SchedulerConfig | None = FAIR,
     routes_file: Path | None = None,
     replica_urls: Sequence[str] = (),
     apps: Mapping[str, App] | None = None,
     next_hop: Address | None = None,
     route_source: str | None = None,
-    reread: Callable[[], tuple[Sequence[str], Mapping[str, App] | None]] | None = None,
+    reread: Callable[[], object] | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the chain, or one ``role`` of it (see the flags); report a :class:`~blocks.Chain` once it serves.
 
-    ``reread``, on reload (SIGHUP), gives ``replica_urls`` (the app ``demo``) and ``apps`` anew."""
+    ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``."""
     routed = bool(replica_urls or apps)
     if next_hop is None and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
         raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
@@ -98,7 +101,7 @@ async def main(
         if role in ("chain", "worker"):
             for name in [f"replica-{i}" for i in range(replicas)] if role == "chain" and not replica_urls else []:
                 local[name] = await chain.start_replica(name, protocol=replica_protocol)
-            upstream = UpstreamConfig(response_timeout=replica_timeout)
+            upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
             server, _ = await chain.start_worker(local, app=None, upstream=upstream, port=ports.get("worker", 0))
             worker = (host, server.port)
         if role in ("chain", "proxy"):
@@ -110,7 +113,7 @@ async def main(
 
             route(replica_urls, apps)
             if reread is not None:
-                chain.on_reload(lambda: route(*reread()))
+                chain.on_reload(lambda: route(*attrgetter("replica_urls", "apps")(reread())))
             if routes_file is not None:
                 chain.follow_route_file(routes_file)
             # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
@@ -134,25 +137,21 @@ def run() -> None:
     parser.add_serving_flags()
     flag = parser.add_argument
     flag("--role", choices=("chain", "edge", "proxy", "worker"), default="chain", help="every hop, or this one")
-    flag(
-        "--next-hop", type=hop_from_url, metavar="URL", help="the edge's proxy, or the proxy's worker: h2c://host:port"
-    )
+    flag("--next-hop", type=hop_from_url, metavar="URL", help="the edge's proxy, the proxy's worker (h2c://host:port)")
     flag("--route-source", metavar="URL", help="the proxy's routes from this etcd (http://host:2379)")
     flag("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
     flag("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> demo replica protocol")
     flag("--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504")
     flag("--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler")
     flag("--routes", dest="routes_file", type=Path, help="a TOML or JSON route file to add and follow")
-    flag("--replica", dest="replica_urls", action="append", type=replica_url, default=[], metavar="URL")
+    yours = "your server: http://, h2c:// or https://host:port (repeatable)"
+    flag("--replica", dest="replica_urls", action="append", type=replica_url, default=[], metavar="URL", help=yours)
+    flag("--replica-ca", type=Path, metavar="FILE", help="trust https replicas signed by these CAs (PEM) only")
     settings = vars(parser.parse_args())
-
-    def reread() -> tuple[Sequence[str], Mapping[str, App] | None]:
-        again = parser.reparse()
-        return again.replica_urls, again.apps
 
     grace, config = settings.pop("grace"), settings.pop("config")
     settings["scheduler"] = None if settings.pop("no_scheduler") else settings["scheduler"] or FAIR
-    run_until_signal(functools.partial(main, reread=reread if config else None, **settings), grace=grace)
+    run_until_signal(functools.partial(main, reread=parser.reparse if config else None, **settings), grace=grace)
 
 
 if __name__ == "__main__":

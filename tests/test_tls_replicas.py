@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ import httpx
 import pytest
 import trio
 import trustme
-from support import HOST
+from support import HOST, start_recipe
 
 from blocks import (
     HTTPServer,
@@ -346,3 +347,21 @@ async def test_a_replica_that_fails_verification_is_a_502_and_spares_a_concurren
             )
             assert not [r for r in caplog.records if r.exc_info is not None]
             await chain.shutdown(5)
+
+
+async def test_the_chain_recipe_trusts_what_replica_ca_names(
+    nursery: trio.Nursery, ca: trustme.CA, ca_file: Path
+) -> None:
+    replica = await h2_replica(nursery, ca)
+    url = f"https://localhost:{replica.port}"
+    with trio.fail_after(60):
+        for args, status in (["--replica-ca", str(ca_file)], 200), ([], 502):  # without it: the system's CAs
+            async with trio.open_nursery() as inner:
+                process, lines = await start_recipe(inner, "--replica", url, *args)
+                edge = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+                response = await get(f"{edge}/")
+                assert response.status_code == status, response.text
+                if status == 200:
+                    assert response.text == "h2-capable over HTTP/2\n"
+                process.send_signal(signal.SIGINT)
+                assert await process.wait() == 0

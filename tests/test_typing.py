@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = '''
+SCRIPT = """
 from __future__ import annotations
 
 import trio
@@ -38,7 +38,7 @@ async def main() -> None:
     async with trio.open_nursery() as nursery:
         chain: Chain = await nursery.start(serve_chain, build)
         chain.cancel()
-'''
+"""
 
 
 def mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
