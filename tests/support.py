@@ -13,8 +13,11 @@ import functools
 import math
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -48,6 +51,7 @@ from blocks.store import RouteEvent
 from blocks.transport.streams import H2ConnectionStatistics
 
 HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parent.parent
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 Headers = list[tuple[bytes, bytes]]
 
@@ -641,3 +645,31 @@ class Lines:
         while chunk := await self.stream.receive_some():
             self.text += chunk.decode()
         return self.text
+
+
+# -- servers that are not part of the project, as separate processes ------------------------
+
+
+@asynccontextmanager
+async def child_process(command: Sequence[str], ready: str) -> AsyncIterator[tuple[trio.Process, re.Match[str]]]:
+    """Run ``command`` in the repository as a process of its own until the block ends (SIGTERM, by its PID).
+
+    Yields the process and the match of ``ready`` (a regular expression) in its stdout, once printed.
+    """
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            functools.partial(trio.run_process, list(command), stdout=subprocess.PIPE, cwd=REPO, check=False)
+        )
+        assert process.stdout is not None
+        try:
+            yield process, await Lines(process.stdout).until(ready)
+        finally:
+            process.terminate()
+
+
+@asynccontextmanager
+async def chain_recipe(*replicas: str) -> AsyncIterator[str]:
+    """``python -m recipes.chain --replica URL ...``, run as docs/recipes.md says: the edge's URL once it listens."""
+    command = [sys.executable, "-m", "recipes.chain", *(arg for url in replicas for arg in ("--replica", url))]
+    async with child_process(command, r"^edge listening on (\S+)$") as (_, match):
+        yield match.group(1)
