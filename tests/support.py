@@ -651,20 +651,40 @@ class Lines:
 
 
 @asynccontextmanager
-async def child_process(command: Sequence[str], ready: str) -> AsyncIterator[tuple[trio.Process, re.Match[str]]]:
+async def child_process(
+    command: Sequence[str], ready: str, *, stderr: bool = False
+) -> AsyncIterator[tuple[trio.Process, re.Match[str]]]:
     """Run ``command`` in the repository as a process of its own until the block ends (SIGTERM, by its PID).
 
-    Yields the process and the match of ``ready`` (a regular expression) in its stdout, once printed.
+    Yields the process and the match of ``ready`` (a regular expression) in
+    its stdout, once printed; with ``stderr``, in its stdout and stderr (for
+    a server that logs where it listens). Its output is read on after that,
+    so it never blocks on a full pipe.
     """
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            functools.partial(trio.run_process, list(command), stdout=subprocess.PIPE, cwd=REPO, check=False)
-        )
-        assert process.stdout is not None
-        try:
-            yield process, await Lines(process.stdout).until(ready)
-        finally:
-            process.terminate()
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    list(command),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT if stderr else None,
+                    cwd=REPO,
+                    check=False,
+                )
+            )
+            assert process.stdout is not None
+            try:
+                match = await Lines(process.stdout).until(ready)
+                nursery.start_soon(drain, process.stdout)
+                yield process, match
+            finally:
+                process.terminate()
+
+
+async def drain(stream: trio.abc.ReceiveStream) -> None:
+    while await stream.receive_some():
+        pass
 
 
 @asynccontextmanager
