@@ -136,7 +136,7 @@ async def test_a_deadline_reaches_the_replica_and_expires_as_deadline_exceeded_w
     with trio.fail_after(60):
         async with grpc_chain() as (client, _):
             left = await client.call("Remaining", b"", timeout=5)
-            assert left != b"none" and 1 < float(left) <= 5.1  # grpc-timeout arrived
+            assert left != b"none" and 1 < float(left) < 6  # grpc-timeout arrived
             error = await client.error("Slow", b"", timeout=0.5)
             assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await client.wait_slow_calls((0, 1))  # the replica's call ended too
