@@ -656,7 +656,53 @@ class Lines:
         return self.text
 
 
-# -- servers that are not part of the project, and recipes as processes -------------------------
+# -- servers that are not part of the project, and recipes, as separate processes ---------------
+
+
+@asynccontextmanager
+async def child_process(
+    command: Sequence[str], ready: str, *, stderr: bool = False
+) -> AsyncIterator[tuple[trio.Process, re.Match[str]]]:
+    """Run ``command`` in the repository as a process of its own until the block ends (SIGTERM, by its PID).
+
+    Yields the process and the match of ``ready`` (a regular expression) in
+    its stdout, once printed; with ``stderr``, in its stdout and stderr (for
+    a server that logs where it listens). Its output is read on after that,
+    so it never blocks on a full pipe.
+    """
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    list(command),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT if stderr else None,
+                    cwd=REPO,
+                    check=False,
+                )
+            )
+            assert process.stdout is not None
+            try:
+                match = await Lines(process.stdout).until(ready)
+                nursery.start_soon(drain, process.stdout)
+                yield process, match
+            finally:
+                process.terminate()
+
+
+async def drain(stream: trio.abc.ReceiveStream) -> None:
+    while await stream.receive_some():
+        pass
+
+
+@asynccontextmanager
+async def chain_recipe(*replicas: str) -> AsyncIterator[str]:
+    """``python -m recipes.chain --replica URL ...``, run as docs/recipes.md says: the edge's URL once it listens."""
+    command = [sys.executable, "-m", "recipes.chain", *(arg for url in replicas for arg in ("--replica", url))]
+    async with child_process(command, r"^edge listening on (\S+)$") as (_, match):
+        yield match.group(1)
+
 
 BODY = b"served by python's own http.server\n"
 
@@ -668,16 +714,8 @@ async def http_server(directory: Path, body: bytes = BODY) -> AsyncIterator[tupl
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "hello.txt").write_bytes(body)
     command = [sys.executable, "-u", "-m", "http.server", "--bind", HOST, "--directory", str(directory), "0"]
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
-        )
-        assert process.stdout is not None
-        line = await Lines(process.stdout).until(r"Serving HTTP on \S+ port (\d+)")
-        try:
-            yield HOST, int(line.group(1))
-        finally:
-            process.terminate()
+    async with child_process(command, r"Serving HTTP on \S+ port (\d+)") as (_, match):
+        yield HOST, int(match.group(1))
 
 
 async def start_recipe(nursery: trio.Nursery, *args: str, recipe: str = "chain") -> tuple[trio.Process, Lines]:

@@ -229,6 +229,9 @@ class _H1Pool:
         h = conn.h11
         out_headers = [(b"host", request.authority)]
         out_headers += [(n, v) for n, v in headers if n not in HOP_BY_HOP]
+        if len(out_headers) <= len(headers) and (b"te", b"trailers") in headers:
+            # The one TE an h2 request carries (gRPC's); on h1 it is named in Connection (RFC 9110 10.1.4).
+            out_headers += [(b"te", b"trailers"), (b"connection", b"te")]
         if not body.ended and body.length is None:
             out_headers.append((b"transfer-encoding", b"chunked"))
         elif body.ended and request.method in (b"POST", b"PUT", b"PATCH"):
