@@ -22,10 +22,12 @@ def h2_client(**kwargs: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(http2=True, http1=False, trust_env=False, **kwargs)
 
 
-def assert_error_page(response: httpx.Response, status: int) -> None:
+def assert_error_page(response: httpx.Response, status: int, reason: str, hop: str) -> None:
+    """The status, ``proxyblocks-error: REASON; hop=HOP``, and a one-line body saying the same."""
     assert response.status_code == status
     assert "Traceback" not in response.text
-    assert response.text == f"{status} {response.reason_phrase}\n"
+    assert response.headers["proxyblocks-error"] == f"{reason}; hop={hop}"
+    assert response.text == f"{status} {response.reason_phrase}: {reason}; hop={hop}\n"
 
 
 async def wait_in_flight(chain: Chain) -> None:
@@ -42,7 +44,7 @@ async def test_503_for_an_unknown_authority(nursery: trio.Nursery) -> None:
         chain = await assemble(nursery, domains={"known.test": "demo"})
         async with h2_client() as client:
             response = await client.get(chain.url + "/", headers={"host": "unknown.test"})
-            assert_error_page(response, 503)
+            assert_error_page(response, 503, "no_route", "proxy")
             # The same table routes what it knows, with or without a port, in any case.
             for host in ("known.test", "known.test:8080", "KNOWN.test"):
                 response = await client.get(chain.url + "/", headers={"host": host})
@@ -57,8 +59,8 @@ async def test_503_for_an_app_without_replicas(nursery: trio.Nursery) -> None:
         # replica-0 runs, but no route leads to it; the worker's 30 s timeout never matters.
         chain = await assemble(nursery, domains={"*": "empty"}, apps={"empty": []})
         async with h2_client() as h2c, httpx.AsyncClient(trust_env=False) as h1c:
-            assert_error_page(await h2c.get(chain.url + "/"), 503)
-            assert_error_page(await h1c.get(chain.url + "/"), 503)
+            assert_error_page(await h2c.get(chain.url + "/"), 503, "no_replica", "proxy")
+            assert_error_page(await h1c.get(chain.url + "/"), 503, "no_replica", "proxy")
     assert chain.proxy.statistics().no_route == 2
     assert chain.worker_server.statistics().accepted == 0  # decided in the proxy's memory
 
@@ -72,9 +74,9 @@ async def test_502_when_the_replica_refuses_connections(nursery: trio.Nursery, p
         chain = await assemble(nursery, replicas=(), dead=("dead-0",), protocol=protocol)
         async with h2_client() as client:
             for _ in range(2):
-                assert_error_page(await client.get(chain.url + "/"), 502)
+                assert_error_page(await client.get(chain.url + "/"), 502, "replica_unreachable", "worker")
             response = await client.post(chain.url + "/echo", content=b"x" * 1000)
-            assert_error_page(response, 502)
+            assert_error_page(response, 502, "replica_unreachable", "worker")
     assert chain.worker.statistics().in_flight == {"dead-0": 0}
     assert chain.proxy.statistics().in_flight == {"dead-0": 0}
 
@@ -87,7 +89,7 @@ async def test_504_when_the_replica_is_slower_than_the_worker_timeout(nursery: t
     with trio.fail_after(10):
         chain = await assemble(nursery, worker_upstream=UpstreamConfig(response_timeout=0.3), protocol=protocol)
         async with h2_client() as client:
-            assert_error_page(await client.get(chain.url + "/sleep?ms=2000"), 504)
+            assert_error_page(await client.get(chain.url + "/sleep?ms=2000"), 504, "replica_timeout", "worker")
             # Within the timeout the same path answers.
             response = await client.get(chain.url + "/sleep?ms=1")
             assert response.status_code == 200
@@ -170,6 +172,6 @@ async def test_a_failing_stream_leaves_its_connection_alone(nursery: trio.Nurser
             async with trio.open_nursery() as requests:
                 for i in range(10, 20):
                     requests.start_soon(fast, i)
-    assert_error_page(slow[0], 504)
+    assert_error_page(slow[0], 504, "replica_timeout", "worker")
     assert statuses == [200] * 20
     assert chain.edge.statistics().accepted == 1
