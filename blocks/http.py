@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from blocks import fields
 from blocks._common import Headers as Headers
 from blocks._sync import Signal
 from blocks.errors import BlocksError, StreamReset
-from blocks.fields import ERROR_HEADER
 
 if TYPE_CHECKING:
     from blocks.hops import Exchange
@@ -416,7 +416,7 @@ def error_response(status: int, headers: Headers | None = None) -> Response:
         phrase = "Error"
     why = b""
     for name, value in headers or ():
-        if name == ERROR_HEADER:
+        if name == fields.ERROR_HEADER:
             why = value
             break
     if why:

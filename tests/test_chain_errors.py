@@ -14,7 +14,26 @@ import pytest
 import trio
 from support import RawH2Client, assemble, raw_exchange
 
-from blocks import Chain, UpstreamConfig
+from blocks import Chain, Hop, Request, UpstreamConfig, open_upstreams
+from blocks.errors import (
+    REASONS,
+    BadRequest,
+    BlocksError,
+    HopFailed,
+    InvalidToken,
+    NoRoute,
+    PayloadTooLarge,
+    QueueFull,
+    QueueTimeout,
+    SessionGone,
+    StreamReset,
+    Unauthorized,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from blocks.timing import parse_server_timing
+from blocks.tokens import TokenReason
 
 
 def h2_client(**kwargs: Any) -> httpx.AsyncClient:
@@ -175,3 +194,44 @@ async def test_a_failing_stream_leaves_its_connection_alone(nursery: trio.Nurser
     assert_error_page(slow[0], 504, "replica_timeout", "worker")
     assert statuses == [200] * 20
     assert chain.edge.statistics().accepted == 1
+
+
+# -- every error class: its reason, the hop, a one-line body ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "reason"),
+    [
+        (BadRequest("x"), 400, "bad_request"),
+        (Unauthorized("x"), 401, "unauthorized"),
+        (InvalidToken(TokenReason.EXPIRED), 401, "unauthorized"),
+        (BlocksError("x", status=405), 405, "not_allowed"),
+        (SessionGone("x", reason="replica-gone"), 410, "session_gone"),
+        (PayloadTooLarge("x"), 413, "too_large"),
+        (QueueFull("x", tenant="t", retry_after=1.0), 429, "overloaded"),
+        (QueueTimeout("x", tenant="t", retry_after=1.0), 503, "overloaded"),
+        (NoRoute("x"), 503, "no_route"),
+        (NoRoute("x", error_reason="no_replica"), 503, "no_replica"),
+        (UpstreamConnectError("x"), 502, "replica_unreachable"),
+        (UpstreamProtocolError("x", status=503), 503, "replica_refused"),
+        (UpstreamTimeout("x"), 504, "replica_timeout"),
+        (UpstreamProtocolError("x"), 502, "upstream_reset"),
+        (StreamReset("x"), 502, "upstream_reset"),
+        (HopFailed("x"), 500, "internal"),
+    ],
+)
+async def test_every_error_class_answers_its_reason_and_hop(error: BlocksError, status: int, reason: str) -> None:
+    assert reason in REASONS
+    async with open_upstreams() as upstreams:
+        hop = Hop("somehop", upstreams, [])
+        request = Request(b"GET", b"http", b"a.test", b"/", [])
+        response = hop.error_answer(request, error)
+    assert response.status == status
+    fields = dict(response.headers)
+    assert fields[b"proxyblocks-error"] == f"{reason}; hop=somehop".encode()
+    assert list(parse_server_timing(fields[b"server-timing"])) == ["somehop"]
+    for name, value in error.headers:  # retry-after, www-authenticate, proxyblocks-session-ended
+        assert fields[name] == value
+    body = await response.body.read_all()
+    assert body.count(b"\n") == 1 and body.endswith(f": {reason}; hop=somehop\n".encode())
+    assert body.startswith(b"%d " % status)
