@@ -23,17 +23,63 @@ class BlocksError(Exception):
 
     ``status`` is the HTTP status a listener answers with when this error
     escapes a handler before the response has started, with ``headers``
-    added to that response (a 429's ``retry-after``). The message is for
-    logs and statistics; it is never written on the wire.
+    added to that response (a 429's ``retry-after``). ``error_reason`` is why, as
+    a token of :data:`REASONS`: a hop answers with
+    ``proxyblocks-error: REASON; hop=NAME`` (``status`` given alone picks
+    the reason that status usually means). The message is for logs and
+    statistics; it is never written on the wire.
     """
 
     status: int = 500
+    error_reason: str = "internal"
     headers: list[tuple[bytes, bytes]] = []  # noqa: RUF012  (read-only default; subclasses set their own)
 
-    def __init__(self, message: str = "", *, status: int | None = None) -> None:
+    def __init__(self, message: str = "", *, status: int | None = None, error_reason: str | None = None) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status
+            if error_reason is None:
+                error_reason = _STATUS_REASONS.get(status)
+        if error_reason is not None:
+            self.error_reason = error_reason
+
+
+REASONS: dict[str, str] = {
+    "bad_request": "the request is malformed",
+    "unauthorized": "no valid credentials for the app",
+    "no_route": "no route for the authority",
+    "no_replica": "no live replica for the app",
+    "replica_unreachable": "the next hop refused or dropped the connection; nothing was sent",
+    "replica_refused": "the next hop refused the stream; nothing was processed",
+    "replica_timeout": "the next hop did not answer in time",
+    "upstream_reset": "the next hop reset the stream or broke the protocol before answering",
+    "overloaded": "the tenant's queue is full, or its wait timed out",
+    "session_gone": "the session's replica is gone",
+    "too_large": "the request body is over the limit",
+    "not_allowed": "the method is not allowed here",
+    "internal": "a hop failed handling the request",
+}
+"""Every ``proxyblocks-error`` reason, and what it means (docs/errors.md has the table with statuses)."""
+
+RETRYABLE_REASONS = frozenset({b"replica_unreachable", b"replica_refused"})
+"""The reasons that say nothing of the request reached a replica: the proxy may send it to another."""
+
+_STATUS_REASONS = {
+    400: "bad_request",
+    401: "unauthorized",
+    405: "not_allowed",
+    410: "session_gone",
+    413: "too_large",
+    429: "overloaded",
+    502: "upstream_reset",
+    503: "overloaded",
+    504: "replica_timeout",
+}
+
+
+def error_field(reason: str, hop: str) -> tuple[bytes, bytes]:
+    """The ``proxyblocks-error`` field of an error answered at ``hop``: ``REASON; hop=NAME``."""
+    return (fields.ERROR_HEADER, f"{reason}; hop={hop}".encode())
 
 
 class HopFailed(BlocksError):
@@ -50,6 +96,7 @@ class BadRequest(BlocksError):
     """The request is malformed: 400. Raised at the edge, before any upstream is touched."""
 
     status = 400
+    error_reason = "bad_request"
 
 
 class Unauthorized(BlocksError):
@@ -62,31 +109,49 @@ class Unauthorized(BlocksError):
     """
 
     status = 401
+    error_reason = "unauthorized"
     headers = [(b"www-authenticate", b"Bearer")]  # noqa: RUF012  (read-only, like BlocksError.headers)
 
 
 class NoRoute(BlocksError):
-    """No route for the authority, or no live replica behind it: 503 at once."""
+    """No route for the authority (``no_route``), or no live replica behind it (``no_replica``): 503 at once."""
 
     status = 503
+    error_reason = "no_route"
 
 
 class UpstreamConnectError(BlocksError):
-    """The upstream refused or dropped the connection before answering: 502."""
+    """The upstream refused or dropped the connection before answering: 502, ``replica_unreachable``.
+
+    Nothing of the request reached the upstream: the proxy may send it to
+    another replica (see docs/errors.md).
+    """
 
     status = 502
+    error_reason = "replica_unreachable"
 
 
 class UpstreamProtocolError(BlocksError):
-    """The upstream broke the protocol or reset the stream before a response: 502."""
+    """The upstream broke the protocol or reset the stream before a response: 502, ``upstream_reset``.
+
+    With status 503, the upstream refused the stream twice, never
+    processing it (RFC 9113 8.7): ``replica_refused``, safe to send elsewhere.
+    """
 
     status = 502
+    error_reason = "upstream_reset"
+
+    def __init__(self, message: str = "", *, status: int | None = None, error_reason: str | None = None) -> None:
+        super().__init__(message, status=status, error_reason=error_reason)
+        if error_reason is None and self.status == 503:
+            self.error_reason = "replica_refused"
 
 
 class UpstreamTimeout(BlocksError):
     """The upstream did not answer within the configured timeout: 504."""
 
     status = 504
+    error_reason = "replica_timeout"
 
 
 class StreamReset(BlocksError):
@@ -98,6 +163,7 @@ class StreamReset(BlocksError):
     """
 
     status = 502
+    error_reason = "upstream_reset"
 
     def __init__(self, message: str = "", *, status: int | None = None, code: int | None = None) -> None:
         super().__init__(message, status=status)
@@ -115,6 +181,7 @@ class PayloadTooLarge(StreamReset):
     """
 
     status = 413
+    error_reason = "too_large"
 
 
 # -- the fair scheduler and sessions --------------------------------------------------------
@@ -133,6 +200,7 @@ class QueueFull(BlocksError):
     """
 
     status = 429
+    error_reason = "overloaded"
 
     def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
         super().__init__(message)
@@ -148,6 +216,7 @@ class QueueTimeout(BlocksError):
     """
 
     status = 503
+    error_reason = "overloaded"
 
     def __init__(self, message: str, *, tenant: str, retry_after: float) -> None:
         super().__init__(message)
@@ -167,6 +236,7 @@ class SessionGone(BlocksError):
     """
 
     status = 410
+    error_reason = "session_gone"
 
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
@@ -181,6 +251,7 @@ class SourceError(BlocksError):
     """Root of the route sources' errors. Never reaches a client: routing reads memory."""
 
     status = 503
+    error_reason = "no_route"
 
 
 class SourceUnavailable(SourceError):
@@ -228,6 +299,8 @@ class InvalidToken(Unauthorized):
 
 
 __all__ = [
+    "REASONS",
+    "RETRYABLE_REASONS",
     "BlocksError",
     "BadRequest",
     "Compacted",
@@ -246,4 +319,5 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamProtocolError",
     "UpstreamTimeout",
+    "error_field",
 ]

@@ -46,6 +46,12 @@ ENDED_HEADER = b"proxyblocks-session-ended"
 """Written by the proxy or the worker on a session's 410, for the client:
 ``replica-gone`` or ``not-hosted``. (Not internal: it is meant to reach the client.)"""
 
+ERROR_HEADER = b"proxyblocks-error"
+"""Written on every error a hop answers itself, for the client: ``REASON; hop=NAME``
+(:data:`blocks.errors.REASONS`; docs/errors.md). A hop relaying an error from
+behind keeps it as it came; the proxy reads the worker's to retry a request
+that reached no replica. (Not internal: it is meant to reach the client.)"""
+
 LOAD_PATH = b"/.proxyblocks/load"
 """``GET`` with :data:`PROBE_HEADER`: the worker answers with its replicas'
 load as JSON (written by the prober, read by the worker)."""
@@ -58,6 +64,7 @@ end that session on the replica :data:`REPLICA_HEADER` names."""
 
 __all__ = [
     "ENDED_HEADER",
+    "ERROR_HEADER",
     "INTERNAL_PREFIX",
     "LOAD_PATH",
     "MIRROR_HEADER",

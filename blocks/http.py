@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from blocks import fields
 from blocks._common import Headers as Headers
 from blocks._sync import Signal
 from blocks.errors import BlocksError, StreamReset
@@ -403,11 +404,23 @@ async def respond(handler: Handler, request: Request) -> Response:
 
 
 def error_response(status: int, headers: Headers | None = None) -> Response:
-    """The body-and-head every hop answers an error with: the status and its phrase."""
+    """The body-and-head every hop answers an error with: the status and its phrase, and why.
+
+    When ``headers`` has a ``proxyblocks-error`` field (``REASON; hop=NAME``,
+    see :func:`blocks.errors.error_field`), the one-line body says it too:
+    ``502 Bad Gateway: replica_unreachable; hop=worker``.
+    """
     try:
         phrase = http.HTTPStatus(status).phrase
     except ValueError:
         phrase = "Error"
+    why = b""
+    for name, value in headers or ():
+        if name == fields.ERROR_HEADER:
+            why = value
+            break
+    if why:
+        return text_response(status, f"{status} {phrase}: {why.decode('latin-1')}\n", headers)
     return text_response(status, f"{status} {phrase}\n", headers)
 
 

@@ -14,7 +14,26 @@ import pytest
 import trio
 from support import RawH2Client, assemble, raw_exchange
 
-from blocks import Chain, UpstreamConfig
+from blocks import Chain, Hop, Request, UpstreamConfig, open_upstreams
+from blocks.errors import (
+    REASONS,
+    BadRequest,
+    BlocksError,
+    HopFailed,
+    InvalidToken,
+    NoRoute,
+    PayloadTooLarge,
+    QueueFull,
+    QueueTimeout,
+    SessionGone,
+    StreamReset,
+    Unauthorized,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from blocks.timing import parse_server_timing
+from blocks.tokens import TokenReason
 
 
 def h2_client(**kwargs: Any) -> httpx.AsyncClient:
@@ -22,10 +41,12 @@ def h2_client(**kwargs: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(http2=True, http1=False, trust_env=False, **kwargs)
 
 
-def assert_error_page(response: httpx.Response, status: int) -> None:
+def assert_error_page(response: httpx.Response, status: int, reason: str, hop: str) -> None:
+    """The status, ``proxyblocks-error: REASON; hop=HOP``, and a one-line body saying the same."""
     assert response.status_code == status
     assert "Traceback" not in response.text
-    assert response.text == f"{status} {response.reason_phrase}\n"
+    assert response.headers["proxyblocks-error"] == f"{reason}; hop={hop}"
+    assert response.text == f"{status} {response.reason_phrase}: {reason}; hop={hop}\n"
 
 
 async def wait_in_flight(chain: Chain) -> None:
@@ -42,7 +63,7 @@ async def test_503_for_an_unknown_authority(nursery: trio.Nursery) -> None:
         chain = await assemble(nursery, domains={"known.test": "demo"})
         async with h2_client() as client:
             response = await client.get(chain.url + "/", headers={"host": "unknown.test"})
-            assert_error_page(response, 503)
+            assert_error_page(response, 503, "no_route", "proxy")
             # The same table routes what it knows, with or without a port, in any case.
             for host in ("known.test", "known.test:8080", "KNOWN.test"):
                 response = await client.get(chain.url + "/", headers={"host": host})
@@ -57,8 +78,8 @@ async def test_503_for_an_app_without_replicas(nursery: trio.Nursery) -> None:
         # replica-0 runs, but no route leads to it; the worker's 30 s timeout never matters.
         chain = await assemble(nursery, domains={"*": "empty"}, apps={"empty": []})
         async with h2_client() as h2c, httpx.AsyncClient(trust_env=False) as h1c:
-            assert_error_page(await h2c.get(chain.url + "/"), 503)
-            assert_error_page(await h1c.get(chain.url + "/"), 503)
+            assert_error_page(await h2c.get(chain.url + "/"), 503, "no_replica", "proxy")
+            assert_error_page(await h1c.get(chain.url + "/"), 503, "no_replica", "proxy")
     assert chain.proxy.statistics().no_route == 2
     assert chain.worker_server.statistics().accepted == 0  # decided in the proxy's memory
 
@@ -72,9 +93,9 @@ async def test_502_when_the_replica_refuses_connections(nursery: trio.Nursery, p
         chain = await assemble(nursery, replicas=(), dead=("dead-0",), protocol=protocol)
         async with h2_client() as client:
             for _ in range(2):
-                assert_error_page(await client.get(chain.url + "/"), 502)
+                assert_error_page(await client.get(chain.url + "/"), 502, "replica_unreachable", "worker")
             response = await client.post(chain.url + "/echo", content=b"x" * 1000)
-            assert_error_page(response, 502)
+            assert_error_page(response, 502, "replica_unreachable", "worker")
     assert chain.worker.statistics().in_flight == {"dead-0": 0}
     assert chain.proxy.statistics().in_flight == {"dead-0": 0}
 
@@ -87,7 +108,7 @@ async def test_504_when_the_replica_is_slower_than_the_worker_timeout(nursery: t
     with trio.fail_after(10):
         chain = await assemble(nursery, worker_upstream=UpstreamConfig(response_timeout=0.3), protocol=protocol)
         async with h2_client() as client:
-            assert_error_page(await client.get(chain.url + "/sleep?ms=2000"), 504)
+            assert_error_page(await client.get(chain.url + "/sleep?ms=2000"), 504, "replica_timeout", "worker")
             # Within the timeout the same path answers.
             response = await client.get(chain.url + "/sleep?ms=1")
             assert response.status_code == 200
@@ -170,6 +191,47 @@ async def test_a_failing_stream_leaves_its_connection_alone(nursery: trio.Nurser
             async with trio.open_nursery() as requests:
                 for i in range(10, 20):
                     requests.start_soon(fast, i)
-    assert_error_page(slow[0], 504)
+    assert_error_page(slow[0], 504, "replica_timeout", "worker")
     assert statuses == [200] * 20
     assert chain.edge.statistics().accepted == 1
+
+
+# -- every error class: its reason, the hop, a one-line body ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "reason"),
+    [
+        (BadRequest("x"), 400, "bad_request"),
+        (Unauthorized("x"), 401, "unauthorized"),
+        (InvalidToken(TokenReason.EXPIRED), 401, "unauthorized"),
+        (BlocksError("x", status=405), 405, "not_allowed"),
+        (SessionGone("x", reason="replica-gone"), 410, "session_gone"),
+        (PayloadTooLarge("x"), 413, "too_large"),
+        (QueueFull("x", tenant="t", retry_after=1.0), 429, "overloaded"),
+        (QueueTimeout("x", tenant="t", retry_after=1.0), 503, "overloaded"),
+        (NoRoute("x"), 503, "no_route"),
+        (NoRoute("x", error_reason="no_replica"), 503, "no_replica"),
+        (UpstreamConnectError("x"), 502, "replica_unreachable"),
+        (UpstreamProtocolError("x", status=503), 503, "replica_refused"),
+        (UpstreamTimeout("x"), 504, "replica_timeout"),
+        (UpstreamProtocolError("x"), 502, "upstream_reset"),
+        (StreamReset("x"), 502, "upstream_reset"),
+        (HopFailed("x"), 500, "internal"),
+    ],
+)
+async def test_every_error_class_answers_its_reason_and_hop(error: BlocksError, status: int, reason: str) -> None:
+    assert reason in REASONS
+    async with open_upstreams() as upstreams:
+        hop = Hop("somehop", upstreams, [])
+        request = Request(b"GET", b"http", b"a.test", b"/", [])
+        response = hop.error_answer(request, error)
+    assert response.status == status
+    fields = dict(response.headers)
+    assert fields[b"proxyblocks-error"] == f"{reason}; hop=somehop".encode()
+    assert list(parse_server_timing(fields[b"server-timing"])) == ["somehop"]
+    for name, value in error.headers:  # retry-after, www-authenticate, proxyblocks-session-ended
+        assert fields[name] == value
+    body = await response.body.read_all()
+    assert body.count(b"\n") == 1 and body.endswith(f": {reason}; hop=somehop\n".encode())
+    assert body.startswith(b"%d " % status)

@@ -188,8 +188,14 @@ async def test_a_request_without_a_valid_token_for_its_app_is_a_401_that_reaches
             response = await c.get(chain.url + "/private", headers=headers_for(CHAT, value))
         assert response.status_code == 401
         assert response.headers["www-authenticate"] == "Bearer"
-        assert response.text == "401 Unauthorized\n"  # generic: the reason is for the operator only
-        assert set(parse_server_timing(response.headers["server-timing"])) == {"edge", "total"}  # the edge's own
+        assert (
+            response.text == "401 Unauthorized: unauthorized; hop=proxy\n"
+        )  # generic: which check failed is for the operator
+        assert set(parse_server_timing(response.headers["server-timing"])) == {
+            "proxy",
+            "edge",
+            "total",
+        }  # the failing hop adds its own
         chain.reached_nothing()
         stats = chain.auth.statistics()
         if why == "missing":

@@ -84,7 +84,7 @@ async def test_spliced_504s_are_delivered_and_do_not_wedge_the_chain(nursery: tr
                 assert not result.connection_lost
                 assert result.reset is None
                 assert result.status == 504
-                assert result.body == b"504 Gateway Timeout\n"
+                assert result.body == b"504 Gateway Timeout: replica_timeout; hop=worker\n"
             result = await get(client, b"/")
             assert result.status == 200
             assert result.body == b"hello from replica-0\n"

@@ -38,10 +38,12 @@ from blocks import (
     Feature,
     Forward,
     Hop,
+    HTTPServer,
     IterBody,
     ListenerConfig,
     LocalReplica,
     OutlierConfig,
+    Proxy,
     Replica,
     Request,
     RouteTable,
@@ -56,7 +58,18 @@ from blocks import (
     serve_worker,
 )
 from blocks.routing import OutlierDetector, OutlierStatistics
-from tests.support import HOST, RawH2Client, closed_port, record_relays, serve_tenant_replica, wait_for
+from blocks.timing import parse_server_timing
+from tests.support import (
+    HOST,
+    RawH2Client,
+    TenantReplica,
+    closed_port,
+    record_relays,
+    serve_tenant_replica,
+    wait_for,
+)
+
+DEFAULT = OutlierConfig()  # (stands for serve_proxy's own default)
 
 REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 TOP = 2**31 - 1
@@ -579,14 +592,16 @@ def fail(detector: OutlierDetector, replica: Replica, now: float, times: int) ->
 
 def test_outlier_config_defaults_and_validation() -> None:
     config = OutlierConfig()
-    assert (config.consecutive_failures, config.base_ejection, config.max_ejection, config.max_ejected_share) == (
-        5,
-        30.0,
-        300.0,
-        0.5,
-    )
+    assert (
+        config.consecutive_failures,
+        config.consecutive_unreachable,
+        config.base_ejection,
+        config.max_ejection,
+        config.max_ejected_share,
+    ) == (5, 1, 1.0, 10.0, 0.5)
     for bad in [
         {"consecutive_failures": 0},
+        {"consecutive_unreachable": 0},
         {"base_ejection": 0},
         {"base_ejection": math.inf},
         {"max_ejection": math.nan},
@@ -598,8 +613,11 @@ def test_outlier_config_defaults_and_validation() -> None:
             OutlierConfig(**bad)  # type: ignore[arg-type]
 
 
+SLOW = OutlierConfig(base_ejection=30.0, max_ejection=300.0)  # round numbers for the mechanics
+
+
 def test_consecutive_failures_eject_and_a_success_resets_the_count() -> None:
-    detector = OutlierDetector()
+    detector = OutlierDetector(SLOW)
     a, b, c = replicas(3)
     assert fail(detector, a, 0.0, 4) == [False] * 4
     assert detector.record(a, True, 1.0) is False  # a success: counting starts over
@@ -612,7 +630,7 @@ def test_consecutive_failures_eject_and_a_success_resets_the_count() -> None:
 
 
 def test_selection_is_untouched_while_nothing_is_ejected() -> None:
-    detector = OutlierDetector()
+    detector = OutlierDetector(SLOW)
     candidates = replicas(3)
     assert detector.selectable(candidates, 0.0) is candidates
     fail(detector, candidates[0], 0.0, 4)
@@ -624,7 +642,7 @@ def test_selection_is_untouched_while_nothing_is_ejected() -> None:
 
 
 def test_outcomes_while_ejected_are_ignored() -> None:
-    detector = OutlierDetector(OutlierConfig(consecutive_failures=2))
+    detector = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=2))
     (a,) = replicas(1)
     fail(detector, a, 0.0, 2)
     # Requests that were in flight when it was ejected: neither extend nor end it.
@@ -636,6 +654,18 @@ def test_outcomes_while_ejected_are_ignored() -> None:
     # Back in selection, counting from zero.
     assert detector.record(a, False, 30.0) is False
     assert detector.record(a, False, 30.0) is True
+
+
+def test_one_unreachable_failure_ejects_at_once_and_5xx_need_their_count() -> None:
+    """A dead replica fails fast, so least in-flight would keep picking it: its first
+    connect failure takes it out; a replica answering 5xx needs consecutive_failures."""
+    detector = OutlierDetector()
+    a, b = replicas(2)
+    for _ in range(4):
+        assert detector.record(a, False, 0.0) is False
+    assert detector.record(b, False, 0.0, unreachable=True) is True
+    assert detector.selectable([a, b], 0.5) == [a]
+    assert detector.selectable([a, b], 1.0) == [a, b]  # back after base_ejection: 1 s
 
 
 def test_repeated_ejections_double_up_to_the_cap_then_start_over() -> None:
@@ -657,7 +687,7 @@ def test_repeated_ejections_double_up_to_the_cap_then_start_over() -> None:
 
 
 def test_never_more_than_the_share_of_an_app_is_ejected() -> None:
-    detector = OutlierDetector(OutlierConfig(consecutive_failures=1))
+    detector = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1))
     four = replicas(4)
     for i, replica in enumerate(four):
         detector.record(replica, False, float(i))  # ejected until 30, 31, 32, 33
@@ -676,8 +706,8 @@ def test_never_more_than_the_share_of_an_app_is_ejected() -> None:
 
 def test_share_limits_at_the_edges() -> None:
     four = replicas(4)
-    nobody = OutlierDetector(OutlierConfig(consecutive_failures=1, max_ejected_share=0.0))
-    everybody_but_one = OutlierDetector(OutlierConfig(consecutive_failures=1, max_ejected_share=1.0))
+    nobody = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1, max_ejected_share=0.0))
+    everybody_but_one = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1, max_ejected_share=1.0))
     for detector in (nobody, everybody_but_one):
         for replica in four:
             detector.record(replica, False, 0.0)
@@ -725,32 +755,124 @@ def test_selection_never_exceeds_the_share_and_keeps_one(
 # -- outlier ejection, wired into the proxy ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("outliers", [OutlierConfig(consecutive_failures=3), None])
-async def test_the_proxy_ejects_a_replica_that_keeps_failing(
-    nursery: trio.Nursery, outliers: OutlierConfig | None
-) -> None:
-    """One of two replicas is dead: with outlier ejection, three 502s eject it and the
-    rest go to the live one; without, it keeps getting its share of requests."""
+async def two_replica_chain(
+    nursery: trio.Nursery, local: dict[str, LocalReplica], outliers: OutlierConfig | None = DEFAULT
+) -> tuple[HTTPServer, Proxy]:
+    """edge -> proxy (``outliers``: serve_proxy's default unless given) -> one worker -> ``local``, all under ``*``."""
+    worker_server, _ = await nursery.start(functools.partial(serve_worker, local))
+    worker = (HOST, worker_server.port)
+    table = RouteTable.build(
+        {"*": "app"}, {"app": [Replica(name=n, worker=worker, address=r.address) for n, r in local.items()]}
+    )
+    options = {} if outliers is DEFAULT else {"outliers": outliers}
+    proxy_server, proxy = await nursery.start(functools.partial(serve_proxy, table, **options))
+    edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
+    return edge, proxy
+
+
+@pytest.mark.parametrize("ejection", ["default", "off"])
+async def test_a_request_that_reached_no_replica_goes_to_another_once(nursery: trio.Nursery, ejection: str) -> None:
+    """One of two replicas refuses connections: every request succeeds on the other (the
+    proxy sends it again once). With ejection (the default), the dead one is out after its
+    first failure; without, least in-flight keeps picking it and every pick is retried."""
     with trio.fail_after(20):
         live, _, live_local = await serve_tenant_replica(nursery)
         local = {"live": live_local, "dead": LocalReplica((HOST, closed_port()), "h2")}
-        worker_server, _ = await nursery.start(functools.partial(serve_worker, local))
-        worker = (HOST, worker_server.port)
-        table = RouteTable.build(
-            {"*": "app"},
-            {"app": [Replica(name=n, worker=worker, address=r.address) for n, r in local.items()]},
-        )
-        proxy_server, proxy = await nursery.start(functools.partial(serve_proxy, table, outliers=outliers))
-        edge = await nursery.start(serve_edge, EdgeConfig(proxy=(HOST, proxy_server.port)))
-        statuses = []
+        edge, proxy = await two_replica_chain(nursery, local, DEFAULT if ejection == "default" else None)
         async with httpx.AsyncClient(http2=True, http1=False, trust_env=False) as client:
-            for _ in range(30):
-                statuses.append((await client.get(f"http://{HOST}:{edge.port}/")).status_code)
-        failures = statuses.count(502)
-        assert statuses.count(200) + failures == 30
-        assert len(live.arrivals) == statuses.count(200)
-        if outliers is not None:
-            assert failures == 3
-            assert proxy.outliers is not None and list(proxy.outliers.statistics().ejected) == ["dead"]
+            statuses = [(await client.get(f"http://{HOST}:{edge.port}/")).status_code for _ in range(30)]
+        assert statuses == [200] * 30
+        assert len(live.arrivals) == 30
+        retried = proxy.statistics().retried
+        assert retried >= 1
+        if ejection == "default":
+            assert proxy.outliers is not None and proxy.outliers.statistics().ejections >= 1
         else:
-            assert failures > 3
+            assert proxy.outliers is None
+        assert proxy.statistics().in_flight == {"live": 0, "dead": 0}
+
+
+async def test_two_unreachable_replicas_are_one_retry_then_a_502(nursery: trio.Nursery) -> None:
+    with trio.fail_after(20):
+        local = {name: LocalReplica((HOST, closed_port()), "h2") for name in ("dead-a", "dead-b")}
+        edge, proxy = await two_replica_chain(nursery, local, None)
+        async with httpx.AsyncClient(http2=True, http1=False, trust_env=False) as client:
+            for n in range(1, 4):
+                response = await client.get(f"http://{HOST}:{edge.port}/")
+                assert response.status_code == 502
+                assert response.headers["proxyblocks-error"] == "replica_unreachable; hop=worker"
+                assert list(parse_server_timing(response.headers["server-timing"])) == [
+                    "app",
+                    "worker",
+                    "proxy-route",
+                    "proxy",
+                    "edge",
+                    "total",
+                ]
+                assert proxy.statistics().retried == n  # one retry each, never a loop
+        assert proxy.statistics().in_flight == {"dead-a": 0, "dead-b": 0}
+
+
+async def test_killing_one_of_two_replicas_mid_load_fails_only_what_was_in_flight(nursery: trio.Nursery) -> None:
+    """400 requests, 8 at a time; replica b is killed (its listener and connections gone)
+    a quarter of the way and started again on its port halfway. Only requests in flight
+    on b at the kill may fail; once back, b gets traffic again within seconds."""
+    concurrency, total = 8, 400
+    b = TenantReplica()
+
+    async def run_b(port: int, task_status: trio.TaskStatus[tuple[trio.CancelScope, HTTPServer]]) -> None:
+        with trio.CancelScope() as scope:
+            await serve_http(
+                b, host=HOST, port=port, config=ListenerConfig(), task_status=_Reporting(scope, task_status)
+            )
+
+    with trio.fail_after(60):
+        _, _, a_local = await serve_tenant_replica(nursery)
+        scope, b_server = await nursery.start(run_b, 0)
+        port = b_server.port
+        edge, proxy = await two_replica_chain(nursery, {"a": a_local, "b": LocalReplica((HOST, port), "h2")})
+        statuses: list[int] = []
+        done = 0
+        killed = trio.Event()
+        restarted = trio.Event()
+        async with httpx.AsyncClient(http2=True, http1=False, trust_env=False) as client:
+
+            async def load(tasks: list[int]) -> None:
+                nonlocal done
+                for _ in tasks:
+                    statuses.append((await client.get(f"http://{HOST}:{edge.port}/")).status_code)
+                    done += 1
+                    if done == total // 4:
+                        killed.set()
+                    if done == total // 2:
+                        restarted.set()
+
+            async def chaos() -> None:
+                await killed.wait()
+                scope.cancel()
+                await restarted.wait()
+                await nursery.start(run_b, port)
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(chaos)
+                for k in range(concurrency):
+                    clients.start_soon(load, list(range(k, total, concurrency)))
+            assert len(statuses) == total
+            errors = total - statuses.count(200)
+            assert errors <= concurrency, statuses
+            # Back in service: b answers again, within a few seconds of ejection.
+            before = len(b.arrivals)
+            while len(b.arrivals) == before:
+                assert (await client.get(f"http://{HOST}:{edge.port}/")).status_code == 200
+        assert proxy.outliers is not None and proxy.outliers.statistics().ejections >= 1
+
+
+class _Reporting:
+    """A task_status that reports ``(scope, server)``: the scope kills the replica."""
+
+    def __init__(self, scope: trio.CancelScope, status: trio.TaskStatus[tuple[trio.CancelScope, HTTPServer]]) -> None:
+        self.scope = scope
+        self.status = status
+
+    def started(self, server: HTTPServer) -> None:
+        self.status.started((self.scope, server))

@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset
-from blocks.http import Headers, Request, Response, abandon
+from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset, UpstreamConnectError, error_field
+from blocks.fields import ERROR_HEADER
+from blocks.http import Headers, Request, Response, abandon, error_response
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
 from blocks.transport import Address
@@ -112,6 +113,7 @@ class Exchange:
         "answer",
         "app",
         "claims",
+        "down",
         "error",
         "forward",
         "grant",
@@ -121,6 +123,7 @@ class Exchange:
         "queued",
         "replica",
         "request",
+        "retried",
         "session",
         "start",
         "tee",
@@ -140,6 +143,8 @@ class Exchange:
         self.grant: Grant | None = None
         self.error: BlocksError | None = None
         self.queued = False
+        self.retried = False
+        self.down: H2Stream | None = None
         self.notes: dict[Any, Any] | None = None
         self.start = 0.0
         self._dispatched = 0
@@ -157,8 +162,18 @@ class Exchange:
         return timing
 
     def head(self, status: int, headers: Headers) -> Headers:
-        """The upstream's response head passes: ``response`` hooks, then this hop's Server-Timing entries."""
+        """The upstream's response head passes: ``response`` hooks, then this hop's Server-Timing entries.
+
+        An error head whose ``proxyblocks-error`` names no hop is this hop's
+        own (a splice that failed): it gets ``; hop=NAME``.
+        """
         hop = self.hop
+        if status >= 500:
+            for i, (name, value) in enumerate(headers):
+                if name == ERROR_HEADER:
+                    if b"hop=" not in value:
+                        headers[i] = error_field(value.decode("latin-1"), hop.name)
+                    break
         for response in hop._responses:
             response(self, status, headers)
         if self.tee is not None:
@@ -167,10 +182,41 @@ class Exchange:
         timing.upstream = perf_counter() - self.start
         return add_server_timing(headers, timing.entries(hop.name, upstream_name=hop.upstream_name, total=hop.total))
 
-    def failed(self, status: int) -> None:
-        """The upstream never answered: the ``response`` hooks hear the error's status."""
+    def retry_head(self, status: int, headers: Headers) -> Headers | None:
+        """A spliced response head, at a hop that retries: an error the hop sends elsewhere is dropped (None)."""
+        if status >= 500 and not self.retried and self.down is not None:
+            hop = self.hop
+            down = self.down
+            if hop.upstreams.can_resplice(down):
+                forward = hop.retry(self, status, headers)
+                if forward is not None and hop.upstreams.resplice(down, forward.address, forward.headers):
+                    return None
+        return self.head(status, headers)
+
+    def failed(self, status: int, headers: Headers | None = None) -> None:
+        """The upstream never answered (or is being left for another): the ``response`` hooks hear the error."""
         for response in self.hop._responses:
-            response(self, status, [])
+            response(self, status, headers if headers is not None else [])
+
+    def undispatch(self) -> None:
+        """Before sending the exchange elsewhere: the ``closed`` hooks give back what ``dispatched`` took.
+
+        The scheduler slot and the tee stay; :meth:`dispatch` follows.
+        """
+        observers = self.hop._closers
+        n, self._dispatched = self._dispatched, 0
+        for i in range(n - 1, -1, -1):
+            closer = observers[i]
+            if closer is not None:
+                closer(self)
+
+    def dispatch(self, forward: Forward) -> None:
+        """The exchange goes to ``forward``: the ``dispatched`` hooks (after :meth:`undispatch`)."""
+        self.forward = forward
+        for n, dispatched in enumerate(self.hop._dispatchers, 1):
+            if dispatched is not None:
+                dispatched(self, forward)
+            self._dispatched = n
 
     def closed(self) -> None:
         """The exchange is over: ``closed`` hooks in reverse stack order, the tee, then the slot. Idempotent."""
@@ -266,6 +312,8 @@ class Hop:
 
     upstream_name: str | None = None
     total: bool = False
+    retries: bool = False
+    """True if :meth:`retry` may send a failed request elsewhere (the proxy's)."""
 
     def __init__(
         self,
@@ -292,6 +340,26 @@ class Hop:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {[type(f).__name__ for f in self.features]}>"
+
+    def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
+        """An error came back (``status``, ``headers``) for a request nothing of which was sent on: where
+        to send it instead (already dispatched there), or None to answer the error. Once per exchange."""
+        return None
+
+    def error_answer(self, request: Request, error: BlocksError) -> Response:
+        """This hop's answer to ``error``: its status, ``proxyblocks-error: REASON; hop=NAME``, a one-line
+        body saying the same, and this hop's Server-Timing entries (its wait on the upstream, if it sent)."""
+        exchange = request.exchange
+        timing = request.timing
+        if timing is None:
+            timing = request.timing = Timing()
+        sent = exchange is not None and exchange.start > 0.0
+        if sent:
+            assert exchange is not None
+            timing.upstream = perf_counter() - exchange.start
+        entries = timing.entries(self.name, upstream_name=self.upstream_name if sent else None, total=self.total)
+        headers = add_server_timing([*error.headers, error_field(error.error_reason, self.name)], entries)
+        return error_response(error.status, headers)
 
     def screen(self, exchange: Exchange) -> None:
         """Run every feature's ``screen``."""
@@ -345,6 +413,8 @@ class Hop:
             log.exception("%s failed deciding %r %r", self.name, request.method, request.path)
             exchange.error = HopFailed(f"{self.name} failed deciding the request")
             return False
+        if self.retries:
+            exchange.down = st
         try:
             spliced = forward.protocol != "h1" and self.upstreams.splice(
                 forward.address,
@@ -353,7 +423,7 @@ class Hop:
                 down,
                 st,
                 request_ended=ended,
-                head_filter=exchange.head,
+                head_filter=exchange.retry_head if self.retries else exchange.head,
                 on_close=exchange.closed,
                 protocol=forward.protocol,
             )
@@ -369,6 +439,17 @@ class Hop:
         return False  # decided: the handler carries it out
 
     async def handle(self, request: Request) -> Response:
+        """The listener's general path: the response, or this hop's :meth:`error_answer` to a failure."""
+        try:
+            return await self._handle(request)
+        except BlocksError as exc:
+            log.debug("%s: %r %r -> %d: %s", self.name, request.method, request.path, exc.status, exc)
+            return self.error_answer(request, exc)
+        except Exception:
+            log.exception("%s failed handling %r %r", self.name, request.method, request.path)
+            return self.error_answer(request, HopFailed(f"{self.name} failed handling the request"))
+
+    async def _handle(self, request: Request) -> Response:
         exchange = request.exchange
         if exchange is None:  # the fast path never saw it (h1, TLS without h2)
             exchange = Exchange(self, request)
@@ -382,20 +463,38 @@ class Hop:
             if self.admission is not None:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)
+        replayable = self.retries and request.body.ended  # (a body that went up cannot go again)
         tee = exchange.tee
         if tee is not None:
             request.body = TappedBody(request.body, tee.request, tee.abort)
-        try:
-            response = await self.upstreams.request(
-                forward.address, request, forward.headers, protocol=forward.protocol
-            )
-        except BaseException as exc:
+        while True:
             try:
-                if isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
-                    exchange.failed(exc.status)  # the upstream never answered: 502, 503, 504
-            finally:
-                exchange.closed()
-            raise
+                response = await self.upstreams.request(
+                    forward.address, request, forward.headers, protocol=forward.protocol
+                )
+            except BaseException as exc:
+                if replayable and isinstance(exc, UpstreamConnectError):
+                    replayable = False
+                    again = self.retry(exchange, exc.status, [error_field(exc.error_reason, self.name)])
+                    if again is not None:
+                        forward = again
+                        continue
+                try:
+                    if isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
+                        # the upstream never answered: 502, 503, 504
+                        exchange.failed(exc.status, [(ERROR_HEADER, exc.error_reason.encode())])
+                finally:
+                    exchange.closed()
+                raise
+            if replayable and response.status >= 500:
+                replayable = False
+                again = self.retry(exchange, response.status, response.headers)
+                if again is not None:
+                    await abandon(response.body)
+                    response.closed()
+                    forward = again
+                    continue
+            break
         response.call_on_close(exchange.closed)
         try:
             response.headers = exchange.head(response.status, response.headers)

@@ -11,18 +11,21 @@ from time import perf_counter
 import attrs
 import trio
 
-from blocks.errors import BlocksError, NoRoute, Unauthorized
-from blocks.fields import REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
+from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized
+from blocks.fields import ERROR_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
 from blocks.prober import AutoscaleSignal, LoadEstimator, ProberAware, ProberConfig, open_prober
-from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Policy, Routes
+from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
 from blocks.scheduler import Scheduler, SchedulerConfig, TenantKey, header_tenant, open_scheduler
 from blocks.sessions import SessionBroker, SessionConfig, open_sessions
 from blocks.tokens import ProxyAuth, TokenIssuer, TokenVerifier
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
+
+DEFAULT_OUTLIERS = OutlierConfig()
+""":func:`serve_proxy`'s outlier ejection, on unless ``outliers=None``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -32,8 +35,11 @@ class ProxyConfig:
 
 @attrs.frozen
 class ProxyStatistics:
+    """``retried``: requests sent to another replica because the first was unreachable."""
+
     in_flight: dict[str, int]
     no_route: int
+    retried: int = 0
 
 
 class AppLookup(Feature):
@@ -169,17 +175,36 @@ class Router(Feature):
         candidates = self.routes.replicas(app) if app is not None else None
         if not candidates:
             self.no_route += 1
-            raise NoRoute(
-                f"no live replica for {request.authority!r}" if app else f"no route for {request.authority!r}"
-            )
+            if app:
+                raise NoRoute(f"no live replica for {request.authority!r}", error_reason="no_replica")
+            raise NoRoute(f"no route for {request.authority!r}")
         if self.outliers is not None:
             candidates = self.outliers.selectable(candidates, exchange.hop.clock())
         replica = self.policy.pick(request, candidates, self.in_flight)
         exchange.timing.phase(self._phase, perf_counter() - start)
+        return self.forward(exchange, replica)
+
+    def forward(self, exchange: Exchange, replica: Replica) -> Forward:
+        """The request, to ``replica`` (``exchange.picked``)."""
         exchange.picked = replica
         name = exchange.replica = replica.name
-        headers = [*request.headers, self._via, (TARGET_HEADER, replica.target), (REPLICA_HEADER, name.encode())]
+        headers = [
+            *exchange.request.headers,
+            self._via,
+            (TARGET_HEADER, replica.target),
+            (REPLICA_HEADER, name.encode()),
+        ]
         return Forward(replica.worker, headers)
+
+    def alternative(self, exchange: Exchange, failed: Replica) -> Replica | None:
+        """Another of the app's replicas than ``failed``, by the policy among those not ejected; None if none."""
+        app = exchange.app
+        candidates = [r for r in self.routes.replicas(app) if r.name != failed.name] if app is not None else []
+        if not candidates:
+            return None
+        if self.outliers is not None:
+            candidates = list(self.outliers.selectable(candidates, exchange.hop.clock()))
+        return self.policy.pick(exchange.request, candidates, self.in_flight)
 
 
 class InFlight(Feature):
@@ -209,15 +234,28 @@ class InFlight(Feature):
 
 
 class Outliers(Feature):
-    """response: feeds :class:`~blocks.routing.OutlierDetector` each routed replica's status (5xx: a failure)."""
+    """response: feeds :class:`~blocks.routing.OutlierDetector` each routed replica's status (5xx: a failure).
+
+    A failure whose ``proxyblocks-error`` says the replica could not be
+    reached (``replica_unreachable``, ``replica_refused``) counts as such.
+    """
 
     def __init__(self, detector: OutlierDetector) -> None:
         self.detector = detector
 
     def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
         replica = exchange.picked
-        if replica is not None:  # (a session's request is pinned, not picked)
-            self.detector.record(replica, status < 500, exchange.hop.clock())
+        if replica is None:  # (a session's request is pinned, not picked)
+            return
+        if status < 500:
+            self.detector.record(replica, True, exchange.hop.clock())
+            return
+        unreachable = False
+        for name, value in headers:
+            if name == ERROR_HEADER:
+                unreachable = value.partition(b";")[0] in RETRYABLE_REASONS
+                break
+        self.detector.record(replica, False, exchange.hop.clock(), unreachable=unreachable)
 
 
 class Mirroring(Feature):
@@ -230,7 +268,7 @@ class Mirroring(Feature):
 
     def dispatched(self, exchange: Exchange, forward: Forward) -> None:
         app = exchange.app
-        if app is not None and exchange.picked is not None:
+        if app is not None and exchange.picked is not None and exchange.tee is None:  # (a retry keeps its tee)
             exchange.tee = self.mirror.tee(self.routes, app, exchange.request, forward.headers, self.tenant_key)
 
 
@@ -289,13 +327,44 @@ class Proxy(Hop):
         admission = Admission(scheduler, tenant_key) if scheduler is not None else None
         super().__init__(name, upstreams, stack, admission=admission, clock=clock)
         self.scheduler = scheduler
+        self.retried = 0
+
+    retries = True
 
     @property
     def policy(self) -> Policy:
         return self.router.policy
 
+    def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
+        """Once per request, one that reached no replica (the worker says ``replica_unreachable`` or
+        ``replica_refused``, or the worker itself was unreachable) goes to another replica of its app.
+
+        The failure counts for the first replica's outlier detection; a
+        session's request (pinned, not picked) is never moved.
+        """
+        failed = exchange.picked
+        if failed is None or exchange.retried:
+            return None
+        for name, value in headers:
+            if name == ERROR_HEADER:
+                if value.partition(b";")[0] not in RETRYABLE_REASONS:
+                    return None
+                break
+        else:
+            return None
+        exchange.retried = True
+        replica = self.router.alternative(exchange, failed)
+        if replica is None:
+            return None
+        exchange.failed(status, headers)
+        exchange.undispatch()
+        forward = self.router.forward(exchange, replica)
+        exchange.dispatch(forward)
+        self.retried += 1
+        return forward
+
     def statistics(self) -> ProxyStatistics:
-        return ProxyStatistics(dict(self.in_flight), self.router.no_route)
+        return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried)
 
 
 async def serve_proxy(
@@ -307,7 +376,7 @@ async def serve_proxy(
     config: ProxyConfig | None = None,
     scheduler: SchedulerConfig | None = None,
     tenant_key: TenantKey | None = None,
-    outliers: OutlierConfig | None = None,
+    outliers: OutlierConfig | None = DEFAULT_OUTLIERS,
     prober: ProberConfig | None = None,
     autoscale: AutoscaleSignal | None = None,
     auth: ProxyAuth | None = None,
@@ -324,9 +393,11 @@ async def serve_proxy(
 
     With ``scheduler``, requests are admitted to the proxy's upstream slots
     through a fair :class:`~blocks.scheduler.Scheduler` (tenant from
-    ``tenant_key``, the ``x-tenant`` header by default). With ``outliers``,
-    replicas that keep failing are ejected from selection for a while
-    (:class:`~blocks.routing.OutlierDetector`). With ``prober``, a background
+    ``tenant_key``, the ``x-tenant`` header by default). With ``outliers``
+    (on by default: :class:`~blocks.routing.OutlierConfig`'s defaults; None
+    turns it off), replicas that keep failing are ejected from selection for
+    a while (:class:`~blocks.routing.OutlierDetector`). A request that
+    reached no replica is sent once more, to another (:meth:`Proxy.retry`). With ``prober``, a background
     :func:`~blocks.prober.open_prober` polls every worker in ``routes`` for
     its replicas' load, the proxy's own dispatches correct it, and the
     default policy becomes :class:`~blocks.prober._core.ProberAware`; ``autoscale``

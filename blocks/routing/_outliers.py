@@ -26,19 +26,26 @@ def _not_below_base(instance: OutlierConfig, attribute: attrs.Attribute[float], 
 class OutlierConfig:
     """When a replica is taken out of selection, and for how long. Durations in seconds.
 
-    - ``consecutive_failures``: failures in a row (connect failures and 5xx
-      responses alike; any success resets the count) that eject a replica.
-    - ``base_ejection``: how long its first ejection lasts. Each further
-      ejection lasts twice as long as the one before, up to
-      ``max_ejection``; a replica that stays in selection for
-      ``max_ejection`` after an ejection ended starts again from the base.
+    - ``consecutive_failures``: failures in a row (5xx responses and
+      unreachable alike; any success resets the count) that eject a replica.
+    - ``consecutive_unreachable``: the same count when the failure that
+      reaches it is one where the replica could not be reached at all
+      (``replica_unreachable``, ``replica_refused``): by default the first
+      one ejects it, so a dead replica, which fails fast and so always has
+      the fewest requests in flight, is not picked again and again.
+    - ``base_ejection``: how long its first ejection lasts (1 s). Each
+      further ejection lasts twice as long as the one before, up to
+      ``max_ejection`` (10 s): a replica that answers again is back within
+      seconds. One that stays in selection for ``max_ejection`` after an
+      ejection ended starts again from the base.
     - ``max_ejected_share``: the most of an app's replicas that may be out
       of selection at once (rounded down); at least one always stays in.
     """
 
     consecutive_failures: int = attrs.field(default=5, validator=attrs.validators.ge(1))
-    base_ejection: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), finite])
-    max_ejection: float = attrs.field(default=300.0, validator=[attrs.validators.gt(0), finite, _not_below_base])
+    consecutive_unreachable: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    base_ejection: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
+    max_ejection: float = attrs.field(default=10.0, validator=[attrs.validators.gt(0), finite, _not_below_base])
     max_ejected_share: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0), attrs.validators.le(1)])
 
 
@@ -80,8 +87,12 @@ class OutlierDetector:
     def __repr__(self) -> str:
         return f"<OutlierDetector ejected={sorted(self._until)} ejections={self._ejections}>"
 
-    def record(self, replica: Replica, ok: bool, now: float) -> bool:
-        """Count one exchange with ``replica``; True if this failure ejected it."""
+    def record(self, replica: Replica, ok: bool, now: float, *, unreachable: bool = False) -> bool:
+        """Count one exchange with ``replica``; True if this failure ejected it.
+
+        ``unreachable``: the failure is one where the replica was not reached
+        (``consecutive_unreachable`` then decides).
+        """
         name = replica.name
         until = self._until.get(name)
         if until is not None:
@@ -94,7 +105,7 @@ class OutlierDetector:
             return False
         failures = self._failures.get(name, 0) + 1
         config = self.config
-        if failures < config.consecutive_failures:
+        if failures < (config.consecutive_unreachable if unreachable else config.consecutive_failures):
             self._failures[name] = failures
             return False
         self._failures.pop(name, None)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from blocks.errors import BlocksError
+from blocks.fields import ERROR_HEADER
 from blocks.http import BytesBody, Headers, error_response
 from blocks.transport._codec import ErrorCodes, ProtocolError
 from blocks.transport._h2 import BACKLOG_HIGH, acknowledge
@@ -57,8 +58,9 @@ _CANCEL = ErrorCodes.CANCEL
 _NO_ERROR = ErrorCodes.NO_ERROR
 _STATUS = {code: b"%d" % code for code in range(100, 600)}
 
-HeadFilter = Callable[[int, Headers], Headers]
-"""Rewrites the response head on its way downstream (Server-Timing, ...)."""
+HeadFilter = Callable[[int, Headers], "Headers | None"]
+"""Rewrites the response head on its way downstream (Server-Timing, ...); None: the
+hop took the exchange over (it sent the request again elsewhere), drop this head."""
 
 Tap = Callable[[bytes, bool, "Headers | None"], None]
 """Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks.transport._tap`)."""
@@ -317,7 +319,10 @@ class Splice:
         if self.closed:
             return
         if self.head_filter is not None:
-            headers = self.head_filter(status, headers)
+            filtered = self.head_filter(status, headers)
+            if filtered is None:
+                return  # the hop sends the request elsewhere instead (Upstreams.resplice)
+            headers = filtered
         head = [(b":status", _STATUS.get(status) or b"%d" % status)]
         head += headers
         try:
@@ -357,7 +362,7 @@ class Splice:
             return
         self.closed = True
         self.up.reset(self.response.src_st, _CANCEL)
-        self._answer(status)
+        self._answer(status, BlocksError(status=status).error_reason)
         self._close()
 
     # -- internals ---------------------------------------------------------------------
@@ -382,17 +387,27 @@ class Splice:
         down, st = self.down, self.down_st
         if st.closed or down.closed:
             return
-        self._answer(error.status if isinstance(error, BlocksError) else 502)
+        if isinstance(error, BlocksError):
+            self._answer(error.status, error.error_reason)
+        else:
+            self._answer(502, "upstream_reset")
 
-    def _answer(self, status: int) -> None:
-        """An error response downstream in place of the upstream's (a reset if its head went)."""
+    def _answer(self, status: int, reason: str) -> None:
+        """An error response downstream in place of the upstream's (a reset if its head went).
+
+        Its head goes through ``head_filter`` with ``proxyblocks-error: REASON``
+        (the hop adds its name and its Server-Timing entries).
+        """
         down, st = self.down, self.down_st
         if st.closed or down.closed:
             return
         if self.head_sent:
             down.reset(st, _CANCEL)
             return
-        response = error_response(status)
+        headers: Headers = [(ERROR_HEADER, reason.encode())]
+        if self.head_filter is not None:
+            headers = self.head_filter(status, headers) or headers
+        response = error_response(status, headers)
         assert isinstance(response.body, BytesBody)
         head = [(b":status", _STATUS[response.status]), *response.headers]
         try:

@@ -58,6 +58,7 @@ from blocks.transport._splice import HeadFilter, Sink
 from blocks.transport.multiplexer._config import PoolStatistics, UpstreamConfig
 from blocks.transport.multiplexer._h1pool import _H1Pool
 from blocks.transport.multiplexer._h2pool import _H2Pool
+from blocks.transport.multiplexer._h2retry import _Replay
 from blocks.transport.multiplexer._tls import _TlsPool
 from blocks.transport.tls import client_context
 
@@ -120,6 +121,36 @@ class Upstreams:
             return False
         done: bool = pool.splice(request, headers, down, down_st, request_ended, head_filter, on_close)
         return done
+
+    def resplice(self, down_st: H2Stream, address: Address, headers: Headers) -> bool:
+        """From a splice's ``head_filter``: send its request to ``address`` with ``headers`` instead.
+
+        The head that came is dropped (the filter then returns None) and its
+        stream cancelled; the downstream stream is spliced to a new stream to
+        ``address`` (a task: it may open a connection), its own events kept
+        meanwhile, as for a refused stream. Only while none of the request
+        body went up: False, having done nothing, once it did.
+        """
+        replay: object = down_st.splice
+        if not self.can_resplice(down_st):
+            return False
+        assert type(replay) is _Replay
+        pool = self._pools.get((address, "h2"))
+        if pool is None:
+            pool = self._pools[(address, "h2")] = _H2Pool(address, self.config, self._nursery)
+        old = replay.splice
+        up_st = old.response.src_st
+        up_st.splice = None  # its body, if any comes, is dropped with the stream
+        old.up.reset(up_st)
+        replay.headers = headers
+        replay.park()
+        self._nursery.start_soon(pool.resplice, replay, old.up)
+        return True
+
+    def can_resplice(self, down_st: H2Stream) -> bool:
+        """True while :meth:`resplice` would take ``down_st``'s request: none of its body went up."""
+        replay: object = down_st.splice
+        return type(replay) is _Replay and replay.events is None and not replay.splice.closed
 
     def sink(self, address: Address, request: Request, headers: Headers, sink: Sink, *, protocol: str = "h2") -> bool:
         """Send a body-less ``request`` to ``address`` now, its response to ``sink``; no task.

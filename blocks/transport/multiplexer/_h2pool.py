@@ -436,14 +436,14 @@ class _H2Pool:
             flush_marked()
         return True
 
-    async def resplice(self, replay: _Replay, refused_by: H2ClientConnection) -> None:
+    async def resplice(self, replay: _Replay, refused_by: H2Driver | None) -> None:
         """Retry a refused spliced stream on another connection (a task: it may have to open one)."""
         timeout = self.config.response_timeout
         self.retries += 1
         try:
             conn = None
             with trio.move_on_after(timeout):
-                conn = await self.acquire(refused_by)
+                conn = await self.acquire(refused_by if isinstance(refused_by, H2ClientConnection) else None)
             if replay.splice.closed:
                 return  # the downstream stream went away meanwhile
             if conn is None:
