@@ -169,12 +169,16 @@ def port_number(text: str) -> int:
     return int(text)
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number, ``minimum`` or more."""
+def at_least(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number, ``minimum`` or more (and ``most`` or less)."""
+    span = f"at least {minimum}" if most is None else f"from {minimum} to {most}"
 
     def parse(text: str) -> int:
-        if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and int(text) >= minimum):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
+        digits = text.removeprefix("-")
+        if not (
+            digits.isascii() and digits.isdigit() and minimum <= int(text) <= (int(text) if most is None else most)
+        ):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number {span}")
         return int(text)
 
     return parse

@@ -6,7 +6,11 @@ background (``open_route_cache``) and routes from memory, never calling
 etcd on a request. A route changed with ``routectl`` reaches both proxies
 within a moment; a proxy killed with ``kill -9`` takes nothing down with it;
 and if etcd itself goes away, both proxies keep routing with the last routes
-they had, catching up when it is back.
+they had (each says so once on stderr, then retries quietly with backoff),
+catching up when it is back. The etcd this starts is started again on the
+same port and data dir when it dies, so its routes survive; if it cannot be
+(its data dir is gone, or three starts fail), one line says
+``proxyblocks: etcd at URL is gone (...)`` and the proxies go on without it.
 
 Run it (it starts etcd on loopback from Debian's ``etcd-server``, a worker
 with two demo replicas in this process, and two proxy processes):
@@ -14,7 +18,7 @@ with two demo replicas in this process, and two proxy processes):
     python -m recipes.fleet
     python -m recipes.fleet --etcd http://127.0.0.1:2379      # use an etcd you run
 
-It prints the etcd URL and each proxy's URL and PID. Poke it:
+It prints the etcd URL, its own PID (FLEET_PID), and each proxy's URL and PID. Poke it:
 
     curl -H 'host: demo.example' http://127.0.0.1:PORT_A/        # hello from replica-N
     curl -H 'host: new.example' http://127.0.0.1:PORT_B/         # 503: no route for it yet
@@ -22,6 +26,7 @@ It prints the etcd URL and each proxy's URL and PID. Poke it:
     curl -H 'host: new.example' http://127.0.0.1:PORT_A/         # now 200, on both proxies
     python -m blocks.routectl --etcd ETCD_URL list
     kill -9 PID_A; curl -H 'host: demo.example' http://127.0.0.1:PORT_B/   # B keeps serving
+    kill -9 $(pgrep -P FLEET_PID -x etcd)      # "etcd at ... exited (killed by SIGKILL)", then "is back"
 
 Ctrl-C (or SIGTERM) stops the proxies (each drains), then the rest; a second
 Ctrl-C stops at once. ``--role proxy`` is how this script starts each proxy
@@ -33,8 +38,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
-import shutil
 import sys
 from typing import NamedTuple
 
@@ -43,9 +48,8 @@ import trio
 from trio import TaskStatus
 
 from blocks import Chain, CommandParser, EtcdSource, route_records, run_until_signal, serve_chain
+from blocks.command import at_least, between, port_number, seconds
 from blocks.testing import run_child_process, serve_etcd
-
-PROGRESS_INTERVAL = 1.0  # s: an idle watch hears from the etcd this starts that often; one silent for 3 is reopened
 
 
 class ProxyProcess(NamedTuple):
@@ -96,10 +100,8 @@ async def main(
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start etcd (unless given), a worker and replicas, their routes, the proxies; report a :class:`Fleet`."""
-    if not 1 <= proxies <= 26 or replicas < 1:
-        raise ValueError("--proxies must be 1 to 26 and --replicas at least 1")
     started: list[ProxyProcess] = []
-    interval = progress_interval or (600.0 if etcd else PROGRESS_INTERVAL)
+    interval = progress_interval or (600.0 if etcd else 1.0)  # s: an idle watch silent for 3 is reopened
 
     async def build(chain: Chain) -> None:
         nonlocal etcd
@@ -119,7 +121,7 @@ async def main(
         chain: Chain = await nursery.start(serve_chain, build)
         assert etcd is not None
         if announce:
-            print(f"etcd at {etcd}  (python -m blocks.routectl --etcd {etcd} list)", flush=True)
+            print(f"etcd at {etcd} (python -m blocks.routectl --etcd {etcd} list), fleet pid {os.getpid()}", flush=True)
             print(f"try: curl -H 'host: demo.example' {started[0].url}/", flush=True)
         task_status.started(Fleet(etcd, started, chain))
 
@@ -127,21 +129,22 @@ async def main(
 def run() -> None:
     parser = CommandParser(prog="python -m recipes.fleet", description=__doc__.splitlines()[0])
     parser.add_argument("--etcd", metavar="URL", help="use this etcd instead of starting one")
-    parser.add_argument("--progress-interval", type=float, help="etcd progress notify interval, s (1, or etcd's 600)")
-    parser.add_argument("--proxies", type=int, default=2, help="proxy processes (default: 2)")
-    parser.add_argument("--replicas", type=int, default=2, help="demo replicas behind the worker (default: 2)")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds requests in flight get on shutdown")
+    parser.add_argument(
+        "--progress-interval", type=between(0.1), help="etcd progress notify interval, s (1, or etcd's 600)"
+    )
+    parser.add_argument("--proxies", type=at_least(1, most=26), default=2, help="proxy processes")
+    parser.add_argument("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
+    parser.add_argument("--grace", type=seconds, default=5.0, help="seconds requests in flight get on shutdown")
     parser.add_argument("--role", choices=("fleet", "proxy"), default="fleet", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="proxy", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=port_number, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "proxy" and args.etcd is None:
         parser.error("--role proxy needs --etcd URL")
-    if args.role == "fleet" and args.etcd is None and shutil.which("etcd") is None:
-        parser.error("no etcd binary: `apt-get install etcd-server`, or pass --etcd URL")
-    kwargs = {"etcd": args.etcd, "proxies": args.proxies, "replicas": args.replicas}
-    start = functools.partial(main, **kwargs, progress_interval=args.progress_interval)
+    start = functools.partial(main, etcd=args.etcd, proxies=args.proxies, replicas=args.replicas)
+    start = functools.partial(start, progress_interval=args.progress_interval)
     if args.role == "proxy":  # one proxy, as main starts each
+        logging.basicConfig(format=f"proxy {args.name}: %(message)s")  # (its route source's lost and back)
         start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, args.progress_interval or 600.0)
     run_until_signal(start, grace=args.grace)
 

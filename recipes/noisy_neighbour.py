@@ -17,7 +17,8 @@ prints each tenant's requests, statuses and latency p50/p99. With the
 scheduler, ``noisy`` is held to its share (its excess is queued, then
 refused with 429 or 503) and ``quiet`` keeps its solo latency; without it,
 ``noisy`` takes what it wants. Poke the running chain yourself with
-``curl -H 'x-tenant: NAME' http://127.0.0.1:PORT/``.
+``curl -H 'x-tenant: NAME' http://127.0.0.1:PORT/``. Ctrl-C (or SIGTERM)
+before the end drains the chain; a second stops at once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import trio
 
 from blocks import Address, Chain, CommandParser, SchedulerConfig, TenantPolicy, open_upstreams, serve_chain
-from blocks.command import at_least, between, seconds
+from blocks.command import at_least, between, run_until_signal, seconds
 from blocks.testing import SLEEP_20MS, TenantLoad, flood, steady
 
 SCHEDULER = SchedulerConfig(
@@ -117,16 +118,18 @@ def run() -> None:
     def report(text: str) -> None:
         print(text, end="", flush=True)
 
-    trio.run(
-        functools.partial(
-            main,
+    async def start(task_status: trio.TaskStatus[Chain]) -> None:
+        scheduler = None if args.no_scheduler else SCHEDULER
+        await main(
             seconds=args.seconds,
             flood_concurrency=args.flood,
             rate=args.rate,
-            scheduler=None if args.no_scheduler else SCHEDULER,
+            scheduler=scheduler,
             report=report,
+            task_status=task_status,
         )
-    )
+
+    run_until_signal(start, grace=5.0)  # the first Ctrl-C drains the chain, a second stops at once
 
 
 if __name__ == "__main__":

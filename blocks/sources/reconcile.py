@@ -23,6 +23,7 @@ never on the request path: a request reads the cache, never the source.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,6 +36,8 @@ from blocks._sync import one_error
 from blocks.errors import Compacted, SourceUnavailable
 from blocks.routing import RouteCache
 from blocks.sources._base import Progress, RouteSource
+
+log = logging.getLogger("blocks.sources")
 
 
 def _not_below_min(instance: ReconcileConfig, attribute: attrs.Attribute[float], value: float) -> None:
@@ -101,6 +104,7 @@ class RouteReconciler:
     _events: int = 0
     _progress: int = 0
     _last_error: str | None = None
+    _broken_since: float | None = None  # since when the source is unreachable (None: it is not)
 
     def __repr__(self) -> str:
         return (
@@ -121,6 +125,20 @@ class RouteReconciler:
             last_error=self._last_error,
         )
 
+    def _broke(self, loaded: bool) -> None:
+        """Log the first failure of a run of them: one line when the source goes, whatever the retries."""
+        if self._broken_since is None:
+            self._broken_since = trio.current_time()
+            serving = f"serving the routes of revision {self.cache.revision}" if loaded else "no routes yet"
+            log.warning("route source %r unavailable (%s); %s, retrying", self.source, self._last_error, serving)
+
+    def _recovered(self) -> None:
+        # A warning too, not info: whoever saw the loss must see its end, with logging left unconfigured.
+        if self._broken_since is not None:
+            down = trio.current_time() - self._broken_since
+            self._broken_since = None
+            log.warning("route source %r back after %.1fs, at revision %d", self.source, down, self.cache.revision)
+
     async def _run(self, task_status: trio.TaskStatus[RouteReconciler]) -> None:
         source, cache = self.source, self.cache
         need_snapshot = True
@@ -132,6 +150,7 @@ class RouteReconciler:
                     revision, snapshot = await source.snapshot()
                     cache.load(snapshot, revision, trio.current_time())
                     need_snapshot = False
+                    self._recovered()
                     if loaded:
                         self._reloads += 1
                     else:
@@ -150,6 +169,8 @@ class RouteReconciler:
                             self._events += len(item)
                         self._connected = True
                         failures = 0
+                        if self._broken_since is not None:  # (a test, not a call, per batch)
+                            self._recovered()
                 finally:
                     aclose = getattr(watch, "aclose", None)
                     if aclose is not None:
@@ -171,6 +192,7 @@ class RouteReconciler:
                 self._connected = False
                 cache.unsynced(trio.current_time())
                 self._last_error = f"{type(exc).__name__}: {exc}"
+                self._broke(loaded)
                 failures += 1
                 await trio.sleep(self.config.backoff(failures, self._rng))
                 self._reconnects += 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import trio.lowlevel
 from blocks.sources import EtcdSource, SourceUnavailable
 
 HOST = "127.0.0.1"
+RESTART_TRIES = 3
+"""Starts in a row that may fail (exit, or no answer within 20 s) before a lost etcd is given up."""
 
 
 def _free_port() -> int:
@@ -22,25 +26,44 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 async def serve_etcd(
     data_dir: Path | None = None,
     *,
     progress_interval: float = 1.0,
+    restart: bool = True,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one etcd member on loopback until cancelled; report its client URL once it answers.
 
-    ``etcd`` is Debian's ``etcd-server`` (``RuntimeError`` if it is not
-    installed). Its data goes to ``data_dir`` (default: a new temporary
-    directory), its log to ``etcd.log`` beside it; an idle watch hears from it every ``progress_interval``
-    seconds. It runs in a session of its own, so that a Ctrl-C reaches only
-    the caller, which stops it (SIGKILL) when cancelled; if it exits by
-    itself, this raises ``RuntimeError``.
+    ``etcd`` is Debian's ``etcd-server`` (``FileNotFoundError`` if it is not
+    installed, ``RuntimeError`` if the first start fails). Its data goes to ``data_dir``
+    (default: a new temporary directory), its log to ``etcd.log`` beside
+    it; an idle watch hears from it every ``progress_interval`` seconds. It
+    runs in a session of its own, so that a Ctrl-C reaches only the caller,
+    which stops it (SIGKILL) when cancelled.
+
+    If it exits by itself, with ``restart`` (the default) it is started
+    again on the same ports and data dir, so its keys and revisions
+    survive and every watch resumes where it was; it prints one line when
+    it is lost and one when it answers again. If it cannot be started again
+    (its data dir is gone, or :data:`RESTART_TRIES` starts in a row fail),
+    it prints ``proxyblocks: etcd at URL is gone (REASON)`` on stderr and
+    waits, without etcd, until cancelled: whoever routes from a cache keeps
+    routing. Without ``restart``, an exit raises ``RuntimeError``.
     """
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="proxyblocks-etcd-")) / "etcd"
     binary = shutil.which("etcd")
     if binary is None:
-        raise RuntimeError("no etcd binary: `apt-get install etcd-server`")
+        raise FileNotFoundError("no etcd binary: `apt-get install etcd-server`")
     client, peer = f"http://{HOST}:{_free_port()}", f"http://{HOST}:{_free_port()}"
     command = [
         binary,
@@ -55,26 +78,62 @@ async def serve_etcd(
         "--log-level=error",
         "--logger=zap",
     ]
-    with (data_dir.parent / "etcd.log").open("ab") as log:
+    log = data_dir.parent / "etcd.log"
+    started = False
+    failures = 0  # starts in a row that did not answer
+    while True:
+        if started and not data_dir.is_dir():
+            # A new, empty member would take every watch from a revision it never had: worse than none.
+            reason = f"its data dir {data_dir} is gone"
+        else:
+            answered, reason = await _run_etcd(command, client, log, started=started, task_status=task_status)
+            if not started and not answered:
+                raise RuntimeError(f"etcd {reason}; see {log}")
+            started = True
+            if answered and not restart:
+                raise RuntimeError(f"etcd {reason}; see {log}")
+            if answered:
+                failures = 0
+                print(f"etcd at {client} {reason}; starting it again (same port, same data)", flush=True)
+                continue
+            failures += 1
+            if failures < RESTART_TRIES:
+                await trio.sleep(1.0)
+                continue
+            reason = f"{reason}, {failures} times; see {log}"
+        print(f"proxyblocks: etcd at {client} is gone ({reason}); routes are served from memory", file=sys.stderr)
+        sys.stderr.flush()
+        await trio.sleep_forever()
+
+
+async def _run_etcd(
+    command: list[str], client: str, log: Path, *, started: bool, task_status: trio.TaskStatus[str]
+) -> tuple[bool, str]:
+    """Run etcd once, until it exits: ``(whether it answered, how it ended)``."""
+    with log.open("ab") as out:
         # Its own session, as for the proxies: Ctrl-C reaches this process only, which stops the
         # children in order (proxies first, etcd last) rather than all at once.
         process = await trio.lowlevel.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
         )
     try:
         source = EtcdSource(client, request_timeout=1.0)
-        with trio.fail_after(20):
+        with trio.move_on_after(20) as waiting:
             while True:
                 try:
                     await source.snapshot()
                     break
                 except SourceUnavailable:
-                    if process.poll() is not None:
-                        raise RuntimeError(f"etcd exited with {process.returncode}; see {log.name}") from None
+                    if (code := process.poll()) is not None:
+                        return False, f"exited ({_exit_reason(code)}) before it answered"
                     await trio.sleep(0.1)
-        task_status.started(client)
-        await process.wait()
-        raise RuntimeError(f"etcd exited with {process.returncode}; see {log.name}")
+        if waiting.cancelled_caught:
+            return False, "did not answer within 20 s"
+        if started:
+            print(f"etcd at {client} is back (pid {process.pid})", flush=True)
+        else:
+            task_status.started(client)
+        return True, f"exited ({_exit_reason(await process.wait())})"
     finally:
         if process.returncode is None:
             process.kill()
