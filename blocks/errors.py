@@ -39,7 +39,7 @@ class BlocksError(Exception):
         if status is not None:
             self.status = status
             if error_reason is None:
-                error_reason = _STATUS_REASONS.get(status)
+                error_reason = status_reason(status)
         if error_reason is not None:
             self.error_reason = error_reason
 
@@ -70,11 +70,18 @@ _STATUS_REASONS = {
     405: "not_allowed",
     410: "session_gone",
     413: "too_large",
+    501: "not_allowed",
     429: "overloaded",
     502: "upstream_reset",
     503: "overloaded",
     504: "replica_timeout",
 }
+
+
+def status_reason(status: int) -> str:
+    """The reason an error ``status`` usually means (``bad_request`` for 400, ``overloaded`` for
+    503...); else ``bad_request`` for a 4xx, ``internal`` for a 5xx."""
+    return _STATUS_REASONS.get(status) or ("bad_request" if status < 500 else "internal")
 
 
 def error_field(reason: str, hop: str) -> tuple[bytes, bytes]:
@@ -320,4 +327,5 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamTimeout",
     "error_field",
+    "status_reason",
 ]

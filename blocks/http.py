@@ -31,7 +31,7 @@ import trio
 from blocks import fields
 from blocks._common import Headers as Headers
 from blocks._sync import Signal
-from blocks.errors import BlocksError, StreamReset
+from blocks.errors import BlocksError, StreamReset, error_field, status_reason
 
 if TYPE_CHECKING:
     from blocks.hops import Exchange
@@ -403,13 +403,17 @@ async def respond(handler: Handler, request: Request) -> Response:
         return error_response(500)
 
 
-def error_response(status: int, headers: Headers | None = None) -> Response:
+def error_response(status: int, headers: Headers | None = None, *, hop: str | None = None) -> Response:
     """The body-and-head every hop answers an error with: the status and its phrase, and why.
 
     When ``headers`` has a ``proxyblocks-error`` field (``REASON; hop=NAME``,
     see :func:`blocks.errors.error_field`), the one-line body says it too:
-    ``502 Bad Gateway: replica_unreachable; hop=worker``.
+    ``502 Bad Gateway: replica_unreachable; hop=worker``. Without one, ``hop``
+    (a listener's own answer to a malformed request) adds it, with the
+    reason the status means (:func:`blocks.errors.status_reason`).
     """
+    if hop is not None and not any(name == fields.ERROR_HEADER for name, _ in headers or ()):
+        headers = [*(headers or ()), error_field(status_reason(status), hop)]
     try:
         phrase = http.HTTPStatus(status).phrase
     except ValueError:

@@ -27,6 +27,7 @@ import trio
 from support import HOST, H2Result, RawH2Client, assemble_fair, assemble_local, wait_for
 
 from blocks import Chain, LocalReplica
+from blocks.errors import status_reason
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -192,6 +193,7 @@ async def check_refused_h1(chain: Chain, replica: RecordingReplica, data: bytes,
     reply = result.replies[0]
     assert reply.status == status, reply
     assert reply.header(b"connection") == b"close"
+    assert reply.header(b"proxyblocks-error") == f"{status_reason(status)}; hop=edge".encode()  # the listener's own
     assert result.after == b"", "the edge answered something after refusing the request"
     assert chain.worker.statistics().served == {"r": 0}
     await check_good_request(chain, replica, seen=1)
@@ -455,6 +457,7 @@ async def test_malformed_h2_fields_are_a_400_on_their_stream(nursery: trio.Nurse
         result = await h2_request(chain, h2_head(*extra))
         assert not result.connection_lost
         assert result.status == 400
+        assert result.header(b"proxyblocks-error") == b"bad_request; hop=edge"
     assert [seen.target for seen in replica.seen] == [b"/good"]
     assert chain.worker.statistics().served == {"r": 1}
 

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset, UpstreamConnectError, error_field
@@ -509,6 +510,12 @@ class Hop:
 
 # An internal hop's peer is a hop: its connection carries many clients' streams,
 # their resets and their window updates, so the per-client abuse limits are off.
+def hop_listener(listener: ListenerConfig | None, hop: Hop) -> ListenerConfig:
+    """``listener`` (default: a validating one) serving ``hop``: its own error answers name the hop."""
+    listener = listener or ListenerConfig()
+    return listener if listener.hop is not None else attrs.evolve(listener, hop=hop.name)
+
+
 INTERNAL_LISTENER = ListenerConfig(
     validate=False,
     max_concurrent_streams=1000,

@@ -9,7 +9,7 @@ import attrs
 import trio
 
 from blocks.fields import INTERNAL_PREFIX
-from blocks.hops._hop import Exchange, Feature, Forward, Hop
+from blocks.hops._hop import Exchange, Feature, Forward, Hop, hop_listener
 from blocks.http import Headers, Request, strip_hop_by_hop
 from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
@@ -121,7 +121,7 @@ async def serve_edge(
             host=host,
             port=port,
             ssl_context=ssl_context,
-            config=listener,
+            config=hop_listener(listener, edge),
             relay=edge.relay,
             upstreams=upstreams,
             task_status=task_status,

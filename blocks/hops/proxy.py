@@ -13,7 +13,7 @@ import trio
 
 from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized
 from blocks.fields import ERROR_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
-from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop
+from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
 from blocks.prober import AutoscaleSignal, LoadEstimator, ProberAware, ProberConfig, open_prober
@@ -461,7 +461,13 @@ async def serve_proxy(
             features=features,
         )
         serve = functools.partial(
-            serve_http, proxy.handle, host=host, port=port, config=listener, relay=proxy.relay, upstreams=upstreams
+            serve_http,
+            proxy.handle,
+            host=host,
+            port=port,
+            config=hop_listener(listener, proxy),
+            relay=proxy.relay,
+            upstreams=upstreams,
         )
         server = await nursery.start(serve)
         task_status.started((server, proxy))

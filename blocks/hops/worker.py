@@ -11,7 +11,7 @@ import trio
 
 from blocks.errors import NoRoute
 from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
-from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop
+from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.hops.proxy import InFlight
 from blocks.http import Response
 from blocks.prober import ReplicaLoad, load_response
@@ -242,7 +242,13 @@ async def serve_worker(
         if worker.sessions is not None:
             nursery.start_soon(_expire_sessions, worker.sessions)
         serve = functools.partial(
-            serve_http, worker.handle, host=host, port=port, config=listener, relay=worker.relay, upstreams=upstreams
+            serve_http,
+            worker.handle,
+            host=host,
+            port=port,
+            config=hop_listener(listener, worker),
+            relay=worker.relay,
+            upstreams=upstreams,
         )
         server = await nursery.start(serve)
         task_status.started((server, worker))

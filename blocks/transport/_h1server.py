@@ -452,9 +452,9 @@ async def serve_h1(
                 # fault is the answer, not what a relay made of the cut upload.
                 await abandon(response.body)
                 response.closed()
-                response = error_response(broken)
+                response = error_response(broken, hop=config.hop)
         else:
-            response = error_response(error or 400, error_headers)
+            response = error_response(error or 400, error_headers, hop=config.hop)
         if request is not None and request.method == b"HEAD" and not response.body.ended:
             await response.body.aclose()
             response.body = empty_body()

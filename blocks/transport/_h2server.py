@@ -424,7 +424,7 @@ class H2ServerConnection(H2Driver):
                 if st.closed:
                     return
                 if error is not None:
-                    response = error_response(error.status, error.headers)
+                    response = error_response(error.status, error.headers, hop=self.config.hop)
                 else:
                     response = await respond(self.handler, request)
                     refused = st.body.error if st.body is not None else None
@@ -433,7 +433,7 @@ class H2ServerConnection(H2Driver):
                         # length): that is the answer, not whatever a relay made of the cut.
                         await abandon(response.body)
                         response.closed()
-                        response = error_response(refused.status)
+                        response = error_response(refused.status, hop=self.config.hop)
                 if request.method == b"HEAD" and not response.body.ended:
                     await abandon(response.body)
                     response.body = empty_body()

@@ -94,6 +94,9 @@ class ListenerConfig:
     enable_connect_protocol: bool = True
     """h2: advertise ``SETTINGS_ENABLE_CONNECT_PROTOCOL`` (RFC 8441), so that
     clients may open WebSockets (and other tunnels) with extended CONNECT."""
+    hop: str | None = None
+    """The hop this listener serves (each hop sets its name): the listener's own answers to a
+    malformed request or a refused upload carry ``proxyblocks-error: REASON; hop=NAME``."""
 
 
 @attrs.frozen
