@@ -632,6 +632,31 @@ async def test_compacted_history_reloads_a_snapshot(autojump_clock: trio.testing
     assert cache.applied == [4]
 
 
+async def test_a_source_that_lost_its_history_is_reloaded_from_a_snapshot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # An etcd restarted without its data: the same address, revisions from 1 again. A watch
+    # from the cache's revision would wait forever; the first heartbeat below it says so.
+    before = EmbeddedStore(progress_interval=0.5)
+    for name in "abcd":
+        before.put(f"domains/{name}.example", encode_domain(name))
+    source = FlakySource(before)
+    with trio.fail_after(100):
+        async with open_route_cache(source) as routes:
+            assert routes.cache.revision == 4
+            after = EmbeddedStore(progress_interval=0.5)
+            after.put("domains/new.example", encode_domain("new"))
+            source.store = after
+            source.disconnect()
+            before.put("domains/e.example", encode_domain("e"))  # (wakes the old watch, which then breaks)
+            await wait_until(lambda: routes.cache.app_for(b"new.example") == "new")
+            assert routes.cache.app_for(b"a.example") is None  # the source's state, exactly
+            stats = routes.statistics()
+            assert stats.reloads == 1 and stats.last_error is not None and "lost its history" in stats.last_error
+            after.put("domains/later.example", encode_domain("later"))
+            await wait_until(lambda: routes.cache.app_for(b"later.example") == "later")
+
+
 async def test_an_unreachable_source_delays_the_start(autojump_clock: trio.testing.MockClock) -> None:
     store = EmbeddedStore()
     store.put("domains/a.example", encode_domain("a"))

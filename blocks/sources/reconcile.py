@@ -13,7 +13,11 @@ applies every event after R, in order, once:
   one revision's events across batches, so resuming after the last one
   applied loses nothing;
 - when the source no longer has that history (:class:`Compacted`), the only
-  way back is a fresh snapshot, which replaces the cache's contents whole.
+  way back is a fresh snapshot, which replaces the cache's contents whole;
+  so too when a heartbeat (:class:`Progress`) says the source is at a
+  revision below the cache's: it lost its history (an etcd restarted
+  without its data), and a watch from the cache's revision would wait for
+  events that never come.
 
 Between those steps the cache keeps serving the last state it had: a proxy
 that loses its store keeps routing, and ``staleness`` says for how long it
@@ -161,6 +165,13 @@ class RouteReconciler:
                     async for item in watch:
                         now = trio.current_time()
                         if isinstance(item, Progress):
+                            if item.revision < cache.revision:
+                                # The store went back in time (restarted without its data): what
+                                # the watch waits for may never come. Only a snapshot tells the truth.
+                                raise Compacted(
+                                    f"the source is at revision {item.revision}, behind the routes' "
+                                    f"{cache.revision}: it lost its history"
+                                )
                             self._progress += 1
                             cache.synced(now)
                         else:
