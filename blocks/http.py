@@ -439,11 +439,14 @@ def json_response(status: int, body: bytes) -> Response:
 
 
 def text_response(status: int, text: str, headers: Headers | None = None) -> Response:
-    """A small plain-text response (error pages, demo endpoints)."""
+    """A small text response (error pages, demo endpoints): ``text/plain`` unless ``headers`` name
+    another ``content-type``, and a ``content-length``."""
     data = text.encode()
-    head: Headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"%d" % len(data))]
+    head: Headers = [(b"content-length", b"%d" % len(data))]
     if headers:
         head.extend(headers)
+    if not headers or all(name != b"content-type" for name, _ in headers):
+        head.insert(0, (b"content-type", b"text/plain; charset=utf-8"))
     return Response(status, head, BytesBody(data))
 
 

@@ -37,6 +37,16 @@ async def test_a_websocket_without_a_room_is_refused_by_the_app(nursery: trio.Nu
         chat.stop()
 
 
+async def test_the_page_is_html_with_one_content_type(nursery: trio.Nursery) -> None:
+    with trio.fail_after(20):
+        chat: Chat = await nursery.start(functools.partial(main, announce=False))
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            response = await client.get(chat.url + "/")
+        assert response.status_code == 200
+        assert response.headers.get_list("content-type") == ["text/html; charset=utf-8"]
+        chat.stop()
+
+
 async def test_a_forged_session_cookie_is_a_401_at_the_proxy(nursery: trio.Nursery) -> None:
     with trio.fail_after(20):
         chat: Chat = await nursery.start(functools.partial(main, announce=False))

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,9 @@ from pathlib import Path
 import attrs
 import trio
 from support import Lines, curl
+
+from blocks import EtcdSource
+from blocks.testing import serve_etcd
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,3 +153,18 @@ async def test_an_etcd_that_cannot_come_back_is_one_line_and_the_proxies_serve_f
     finally:
         if moved is not None:
             shutil.rmtree(moved.parent, ignore_errors=True)  # the recipe's temporary directory
+
+
+async def test_serve_etcd_removes_the_temporary_directory_it_made() -> None:
+    def scratch() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("proxyblocks-etcd-*"))
+
+    before = scratch()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_etcd)
+            assert await EtcdSource(url).get("anything") is None  # it runs, from a directory of its own
+            made = scratch() - before
+            assert len(made) == 1 and (made.pop() / "etcd").is_dir()
+            nursery.cancel_scope.cancel()
+    assert scratch() - before == set()

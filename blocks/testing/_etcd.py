@@ -58,9 +58,22 @@ async def serve_etcd(
     (its data dir is gone, or :data:`RESTART_TRIES` starts in a row fail),
     it prints ``proxyblocks: etcd at URL is gone (REASON)`` on stderr and
     waits, without etcd, until cancelled: whoever routes from a cache keeps
-    routing. Without ``restart``, an exit raises ``RuntimeError``.
+    routing. Without ``restart``, an exit raises ``RuntimeError``. A
+    temporary directory it made is removed when it ends.
     """
-    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="proxyblocks-etcd-")) / "etcd"
+    if data_dir is not None:
+        await _serve_etcd(data_dir, progress_interval, restart, task_status)
+        return
+    scratch = Path(tempfile.mkdtemp(prefix="proxyblocks-etcd-"))
+    try:
+        await _serve_etcd(scratch / "etcd", progress_interval, restart, task_status)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _serve_etcd(
+    data_dir: Path, progress_interval: float, restart: bool, task_status: trio.TaskStatus[str]
+) -> None:
     binary = shutil.which("etcd")
     if binary is None:
         raise FileNotFoundError("no etcd binary: `apt-get install etcd-server`")
@@ -82,7 +95,7 @@ async def serve_etcd(
     started = False
     failures = 0  # starts in a row that did not answer
     while True:
-        if started and not data_dir.is_dir():
+        if started and not await trio.Path(data_dir).is_dir():
             # A new, empty member would take every watch from a revision it never had: worse than none.
             reason = f"its data dir {data_dir} is gone"
         else:
