@@ -721,10 +721,16 @@ async def http_server(directory: Path, body: bytes = BODY) -> AsyncIterator[tupl
 async def start_recipe(nursery: trio.Nursery, *args: str, recipe: str = "chain") -> tuple[trio.Process, Lines]:
     """``python -m recipes.RECIPE ARGS`` from the repository's root, started in ``nursery``:
     the process (stderr piped too) and its stdout's :class:`Lines`."""
+    return await start_python(nursery, "-m", f"recipes.{recipe}", *args)
+
+
+async def start_python(nursery: trio.Nursery, *args: str) -> tuple[trio.Process, Lines]:
+    """``python ARGS`` from the repository's root, started in ``nursery``: the process (stderr
+    piped too) and its stdout's :class:`Lines`."""
     process: trio.Process = await nursery.start(
         functools.partial(
             trio.run_process,
-            [sys.executable, "-m", f"recipes.{recipe}", *args],
+            [sys.executable, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=REPO,

@@ -6,7 +6,6 @@ Rules: loopback only, port 0, every test bounded by ``trio.fail_after``.
 
 from __future__ import annotations
 
-import functools
 import re
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from support import HOST, Lines, curl
+from support import HOST, Lines, curl, start_recipe
 
 from recipes.chain import Chain, main
 
@@ -118,21 +117,10 @@ and all: its case has nothing in flight.)"""
 HELD = {"chain", "fleet", "noisy_neighbour", "shadow"}
 
 
-async def start_recipe(nursery: trio.Nursery, recipe: str) -> tuple[trio.Process, Lines, trio.SocketStream]:
+async def start_held(nursery: trio.Nursery, recipe: str) -> tuple[trio.Process, Lines, trio.SocketStream]:
     """Start ``recipe``; return it with a request in flight on the stream: its head and half its body sent."""
     args, ready, path, _ = RECIPES[recipe]
-    process: trio.Process = await nursery.start(
-        functools.partial(
-            trio.run_process,
-            [sys.executable, "-m", f"recipes.{recipe}", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            check=False,
-        )
-    )
-    assert process.stdout is not None
-    lines = Lines(process.stdout)
+    process, lines = await start_recipe(nursery, *args, recipe=recipe)
     port = int((await lines.until(ready)).group(1))
     stream = await trio.open_tcp_stream(HOST, port)
     head = f"POST {path} HTTP/1.1\r\nhost: demo.example\r\ncontent-length: 4\r\n\r\nab"
@@ -158,7 +146,7 @@ async def stderr_of(process: trio.Process) -> str:
 async def test_every_recipe_drains_on_a_signal(recipe: str, signum: signal.Signals) -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            process, lines, stream = await start_recipe(nursery, recipe)
+            process, lines, stream = await start_held(nursery, recipe)
             async with stream:
                 received = await read_until(stream, b"", b"\r\n\r\n")  # the replica has it: in flight
                 assert received.startswith(b"HTTP/1.1 200 "), received
@@ -178,7 +166,7 @@ async def test_every_recipe_drains_on_a_signal(recipe: str, signum: signal.Signa
 async def test_every_recipe_stops_at_once_on_a_second_signal(recipe: str) -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            process, lines, stream = await start_recipe(nursery, recipe)
+            process, lines, stream = await start_held(nursery, recipe)
             async with stream:
                 await read_until(stream, b"", b"\r\n\r\n")  # in flight: the drain would wait for it
                 process.send_signal(signal.SIGTERM)

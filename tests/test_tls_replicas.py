@@ -28,6 +28,7 @@ import trustme
 from support import HOST, start_recipe
 
 from blocks import (
+    Chain,
     HTTPServer,
     LocalReplica,
     Request,
@@ -42,7 +43,7 @@ from blocks import (
 )
 from blocks.http import IterBody
 from blocks.testing import run_child_process
-from blocks.topology import replica_from_url
+from blocks.topology import App, replica_from_url
 from blocks.transport.tls import client_context
 
 CHUNKS = 64
@@ -147,6 +148,15 @@ async def h1_only_replica(ca: trustme.CA, tmp_path: Path) -> AsyncIterator[int]:
         _, line = await nursery.start(run_child_process, command, "listening", "h1-only")
         yield int(line.split()[1])
         nursery.cancel_scope.cancel()  # run_child_process stops the child it started
+
+
+async def start_trusting(chain: Chain, replicas: dict[str, LocalReplica], ca_file: Path) -> None:
+    """A worker trusting ``ca_file`` in front of ``replicas``, each its own app at ``NAME.test``; a proxy, an edge."""
+    await chain.start_worker(replicas, app=None, upstream=UpstreamConfig(ca_file=ca_file))
+    apps = {name: App((f"{name}.test",), {name: replica}) for name, replica in replicas.items()}
+    chain.route(apps, worker=(HOST, chain.worker_server.port))
+    await chain.start_proxy()
+    await chain.start_edge()
 
 
 async def get(url: str, host: str | None = None) -> httpx.Response:
@@ -266,13 +276,7 @@ async def test_https_replicas_behind_the_chain(
                 "h2-capable": replica_from_url(f"https://localhost:{h2.port}"),
                 "h1-only": replica_from_url(f"https://localhost:{h1_port}"),
             }
-            await chain.start_worker(replicas, app=None, upstream=UpstreamConfig(ca_file=ca_file))
-            worker = (HOST, chain.worker_server.port)
-            for name, replica in replicas.items():
-                records = route_records(name, {name: replica}, worker=worker, domains=[f"{name}.test"])
-                chain.store.transact(records)
-            await chain.start_proxy()
-            await chain.start_edge()
+            await start_trusting(chain, replicas, ca_file)
 
             for _ in range(2):  # the second h2 one takes the fast path: a pooled connection is there
                 response = await get(chain.url + "/", "h2-capable.test")
@@ -317,12 +321,7 @@ async def test_a_replica_that_fails_verification_is_a_502_and_spares_a_concurren
                 "good": replica_from_url(f"https://localhost:{good.port}"),
                 "bad": replica_from_url(f"https://localhost:{bad.port}"),
             }
-            await chain.start_worker(replicas, app=None, upstream=UpstreamConfig(ca_file=ca_file))
-            worker = (HOST, chain.worker_server.port)
-            for name, replica in replicas.items():
-                chain.store.transact(route_records(name, {name: replica}, worker=worker, domains=[f"{name}.test"]))
-            await chain.start_proxy()
-            await chain.start_edge()
+            await start_trusting(chain, replicas, ca_file)
             async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                 request = client.build_request("GET", chain.url + "/stream", headers={"host": "good.test"})
                 streaming = await client.send(request, stream=True)

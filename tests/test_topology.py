@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from support import HOST, Lines, curl
+from support import HOST, Lines, curl, start_python
 
 from blocks import Chain, LocalReplica, route_records, serve_chain
 from blocks.routing import AppSettings, MirrorSetting
@@ -104,18 +104,7 @@ run_until_signal(functools.partial(serve_chain, build, announce=True), grace=60)
 
 
 async def _start(nursery: trio.Nursery) -> tuple[trio.Process, Lines]:
-    process: trio.Process = await nursery.start(
-        functools.partial(
-            trio.run_process,
-            [sys.executable, "-c", PROGRAM],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            check=False,
-        )
-    )
-    assert process.stdout is not None
-    return process, Lines(process.stdout)
+    return await start_python(nursery, "-c", PROGRAM)
 
 
 async def _stderr(process: trio.Process) -> str:
