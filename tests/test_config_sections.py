@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import datetime
 import functools
+import re
 import signal
 import time
+import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -47,12 +49,14 @@ from blocks.topology import (
     AuthSettings,
     SessionSettings,
     hop_options,
+    proxy_sections,
     read_apps,
     read_auth,
     read_mirror,
     read_sessions,
     read_token_keys,
 )
+from recipes.chain import FAIR
 
 SECRET = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -483,3 +487,28 @@ async def test_sighup_picks_up_an_apps_new_mirror(tmp_path: Path) -> None:
                 await shadow.copied.wait()
                 assert shadow.copies == [b"/after"]
             await stop(process, lines)
+
+
+def test_the_docs_example_reads(tmp_path: Path) -> None:
+    """docs/recipes.md's chain.toml: each table through its reader, joined, with the key files it names."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
+    example = next(
+        block for block in re.findall(r"^```toml\n(.*?)^```", page, re.DOTALL | re.MULTILINE) if "[auth]" in block
+    )
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "k1.secret").write_text(SECRET.hex() + "\n")
+    public = Ed25519PrivateKey.generate().public_key()
+    (tmp_path / "keys" / "partner.pub").write_bytes(
+        public.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    document = tomllib.loads(example)
+    settings: dict[str, Any] = {"config": tmp_path / "chain.toml"}
+    for name, read in proxy_sections(FAIR).items():
+        based = {"base": tmp_path} if name in ("auth", "sessions") else {}
+        settings[name] = read(document[name], **based)
+    options = hop_options(settings)
+    assert options["proxy"]["auth"].required("chat") and not options["proxy"]["auth"].required("shop")
+    assert options["proxy"]["session_issuer"].key.kid == "k1"
+    assert options["proxy"]["mirror"] == MirrorConfig(max_in_flight=64, stall_timeout=2.0)
+    assert settings["apps"]["shop"].settings.mirror.to == "shop-next"
+    assert options["worker"] == {"sessions": WorkerSessionConfig(idle_timeout=300.0)}
