@@ -13,7 +13,10 @@ shape ``replicas -> worker -> proxy -> edge`` is written once:
   drains front to back, :meth:`Chain.reload` reloads what it loaded from
   files.
 
-:mod:`blocks.command` runs a chain as a command: flags, a config file, signals.
+:mod:`blocks.command` runs a chain as a command: flags, a config file, signals;
+the readers of a proxy's config tables are here (:func:`proxy_sections`:
+``[apps.NAME]``, ``[scheduler]``, ``[auth]``, ``[sessions]``, ``[mirror]``),
+and :func:`hop_options` turns what they read into each hop's keywords.
 
 Each part is started on its own, so a process that runs one role (only a
 worker, only a proxy) uses the same steps as a chain in one process.

@@ -9,7 +9,8 @@ Run it:
     python -m recipes.chain --replica http://127.0.0.1:8000 --replica h2c://127.0.0.1:9000
                                             # your own servers behind the chain, not the demo replicas
     python -m recipes.chain --replica https://app.internal:8443 --replica-ca ca.pem   # TLS to them
-    python -m recipes.chain --config chain.toml                # settings from a file (flags override it)
+    python -m recipes.chain --config chain.toml                # settings from a file (flags override it):
+                                            # also apps, auth keys, sessions, mirroring (docs/recipes.md)
 
 One role per process, so the hops can live on different machines
 (``--host 0.0.0.0`` listens on every interface):
