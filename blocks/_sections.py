@@ -116,8 +116,13 @@ def read_token_keys(entries: object, *, base: Path = Path(), name: str = "keys")
             raise ValueError(f"{where}: a key has one of {', '.join(_MATERIAL)}")
         if fields["kid"] in keys:
             raise ValueError(f"{where}: a second key with this kid")
+        expires = fields.get("not_after")
+        if isinstance(expires, datetime.datetime):
+            if expires.tzinfo is None:
+                raise ValueError(f"{where}: not_after: {expires} needs its offset (Z, or +01:00...)")
+            expires = expires.timestamp()
         try:
-            keys[fields["kid"]] = _key(fields["kid"], given[0], fields[given[0]], fields.get("not_after"), base)
+            keys[fields["kid"]] = _key(fields["kid"], given[0], fields[given[0]], expires, base)
         except (OSError, ValueError, UnsupportedAlgorithm) as exc:
             reason = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else exc
             raise ValueError(f"{where}: {given[0]}: {reason}") from None
@@ -126,13 +131,9 @@ def read_token_keys(entries: object, *, base: Path = Path(), name: str = "keys")
     return tuple(keys.values())
 
 
-def _key(kid: str, material: str, value: str, not_after: object, base: Path) -> TokenKey:
-    if isinstance(not_after, datetime.datetime):
-        if not_after.tzinfo is None:
-            raise ValueError(f"not_after {not_after} needs its offset (Z, or +01:00...)")
-        not_after = not_after.timestamp()
-    assert not_after is None or isinstance(not_after, int | float)
-    expires = None if not_after is None else float(not_after)
+def _key(kid: str, material: str, value: str, expires: float | None, base: Path) -> TokenKey:
+    """The key ``material`` (a ``_MATERIAL`` name) says."""
+    expires = None if expires is None else float(expires)
     text = (base / value).read_bytes() if material.endswith("_file") else value.encode()
     if material.startswith("secret"):
         try:

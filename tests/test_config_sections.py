@@ -119,7 +119,7 @@ def test_keys_from_hex_a_secret_file_and_ed25519_pem_files(tmp_path: Path) -> No
         ([{"kid": "k1", "public_key_file": "k1.secret"}], ["keys: k1: public_key_file"]),
         (
             [{"kid": "k1", "secret": SECRET.hex(), "not_after": datetime.datetime(2030, 1, 1)}],
-            ["keys: k1", "offset"],
+            ["keys: k1: not_after", "offset"],
         ),
     ],
 )
