@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import signal
 import sys
@@ -28,10 +29,11 @@ from typing import Any, NoReturn, Protocol
 
 import trio
 
-Section = Callable[[Any], object]
+Section = Callable[..., object]
 """How a command reads one table of its config file (``CommandParser(sections=...)``): it takes the
 TOML value and returns what the namespace holds under the table's name, raising ``ValueError`` or
-``TypeError`` with what is wrong."""
+``TypeError`` with what is wrong. A reader with a ``base`` keyword also gets the config file's
+directory, the base of the relative paths in the table (a key file, say)."""
 
 
 class Drainable(Protocol):
@@ -58,6 +60,7 @@ class CommandParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.sections = {name.replace("-", "_"): read for name, read in (sections or {}).items()}
+        self._based = {name for name, read in self.sections.items() if "base" in inspect.signature(read).parameters}
         self.set_defaults(**dict.fromkeys(self.sections))
         self.add_argument(
             "--config", type=Path, metavar="FILE", help="a TOML file of settings, keyed by the long flags' names"
@@ -125,7 +128,8 @@ class CommandParser(argparse.ArgumentParser):
             where = f"{path}: {key}"
             if name in self.sections:
                 try:
-                    settings[name] = self.sections[name](value)
+                    based = {"base": path.parent} if name in self._based else {}
+                    settings[name] = self.sections[name](value, **based)
                 except (ValueError, TypeError) as exc:
                     self.error(f"{where}: {exc}")
                 continue

@@ -13,7 +13,10 @@ shape ``replicas -> worker -> proxy -> edge`` is written once:
   drains front to back, :meth:`Chain.reload` reloads what it loaded from
   files.
 
-:mod:`blocks.command` runs a chain as a command: flags, a config file, signals.
+:mod:`blocks.command` runs a chain as a command: flags, a config file, signals;
+the readers of a proxy's config tables are here (:func:`proxy_sections`:
+``[apps.NAME]``, ``[scheduler]``, ``[auth]``, ``[sessions]``, ``[mirror]``),
+and :func:`hop_options` turns what they read into each hop's keywords.
 
 Each part is started on its own, so a process that runs one role (only a
 worker, only a proxy) uses the same steps as a chain in one process.
@@ -33,6 +36,17 @@ from typing import Any
 import attrs
 import trio
 
+from blocks._sections import (
+    AuthSettings,
+    SessionSettings,
+    hop_options,
+    read_app_settings,
+    read_auth,
+    read_mirror,
+    read_sessions,
+    read_token_keys,
+)
+from blocks.command import Section
 from blocks.hops import EdgeConfig, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
 from blocks.routing import (
     Address,
@@ -130,14 +144,17 @@ def hop_from_url(url: str) -> Address:
 
 @attrs.frozen
 class App:
-    """An app and where it runs: the ``domains`` routed to it (``"*"``: every other) and its ``replicas`` by name."""
+    """An app and where it runs: the ``domains`` routed to it (``"*"``: every other), its ``replicas``
+    by name, and its ``settings`` record (what it mirrors), if any."""
 
     domains: tuple[str, ...]
     replicas: Mapping[str, LocalReplica]
+    settings: AppSettings | None = None
 
 
 def read_apps(table: object) -> dict[str, App]:
-    """The apps of a config file's ``[apps.NAME]`` tables, each ``domains = [names]`` and ``replicas = [URLs]``.
+    """The apps of a config file's ``[apps.NAME]`` tables, each ``domains = [names]`` and ``replicas = [URLs]``,
+    and optionally ``mirror = {to = "APP", fraction = 0.1, prefixes = ["/"]}`` (:func:`read_app_settings`).
 
     The replicas are named ``NAME-0``, ``NAME-1``... A command's config
     section (:class:`~blocks.command.CommandParser`): anything else is a
@@ -147,15 +164,19 @@ def read_apps(table: object) -> dict[str, App]:
         raise TypeError("apps is a table of tables, [apps.NAME]")
     apps: dict[str, App] = {}
     for name, app in table.items():
-        lists = app.values() if isinstance(app, dict) else [None]
+        lists = [items for key, items in app.items() if key != "mirror"] if isinstance(app, dict) else [None]
         if (
             not isinstance(app, dict)
-            or not app.keys() <= {"domains", "replicas"}
+            or not app.keys() <= {"domains", "replicas", "mirror"}
             or not all(isinstance(items, list) and all(isinstance(item, str) for item in items) for items in lists)
         ):
-            raise ValueError(f"{name}: an app is domains = [names] and replicas = [URLs]")
+            raise ValueError(f"{name}: an app is domains = [names], replicas = [URLs] and an optional mirror")
+        try:
+            settings = read_app_settings(app["mirror"]) if "mirror" in app else None
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{name}: {exc}") from None
         replicas = {f"{name}-{i}": replica_from_url(url) for i, url in enumerate(app.get("replicas", []))}
-        apps[name] = App(tuple(app.get("domains", [])), replicas)
+        apps[name] = App(tuple(app.get("domains", [])), replicas, settings)
     return apps
 
 
@@ -168,6 +189,20 @@ def read_scheduler(table: object, default: SchedulerConfig) -> SchedulerConfig:
     policy = dict(table)
     budget = policy.pop("budget", default.budget)
     return SchedulerConfig(budget=budget, default_policy=attrs.evolve(default.default_policy, **policy))
+
+
+def proxy_sections(scheduler: SchedulerConfig) -> dict[str, Section]:
+    """The tables of a proxy's config file, for ``CommandParser(sections=...)``: ``apps``
+    (:func:`read_apps`), ``scheduler`` (:func:`read_scheduler` over ``scheduler``), ``auth``
+    (:func:`read_auth`), ``sessions`` (:func:`read_sessions`) and ``mirror`` (:func:`read_mirror`).
+    :func:`hop_options` turns what they read into :func:`~blocks.serve_proxy`'s keywords."""
+    return {
+        "apps": read_apps,
+        "scheduler": functools.partial(read_scheduler, default=scheduler),
+        "auth": read_auth,
+        "sessions": read_sessions,
+        "mirror": read_mirror,
+    }
 
 
 def replica_url(url: str) -> str:
@@ -299,14 +334,15 @@ class Chain:
         """Route ``apps`` whose replicas sit behind ``worker``: the store's ``layer`` (see
         :meth:`EmbeddedStore.load_routes`) becomes their :func:`route_records`, in one revision.
 
-        An app without replicas is left out (its domains would lead nowhere).
+        An app without replicas is left out (its domains would lead nowhere);
+        an app's ``settings`` (what it mirrors) is written with it.
         Called again, it replaces what it wrote before: apps and domains it
         no longer names are removed. Returns the store's revision.
         """
         records: dict[str, bytes] = {}
         for name, app in apps.items():
             if app.replicas:
-                records |= route_records(name, app.replicas, worker=worker, domains=app.domains)
+                records |= route_records(name, app.replicas, worker=worker, domains=app.domains, settings=app.settings)
         return self.store.load_routes(records, layer=layer)
 
     def follow_route_file(self, path: Path) -> None:
@@ -484,13 +520,22 @@ __all__ = [
     "LOOPBACK",
     "REPLICA_SCHEMES",
     "App",
+    "AuthSettings",
     "BuildChain",
     "Chain",
     "ServeReplica",
+    "SessionSettings",
     "hop_from_url",
+    "hop_options",
     "open_chain",
+    "proxy_sections",
+    "read_app_settings",
     "read_apps",
+    "read_auth",
+    "read_mirror",
     "read_scheduler",
+    "read_sessions",
+    "read_token_keys",
     "replica_from_url",
     "replica_url",
     "route_records",

@@ -9,7 +9,8 @@ Run it:
     python -m recipes.chain --replica http://127.0.0.1:8000 --replica h2c://127.0.0.1:9000
                                             # your own servers behind the chain, not the demo replicas
     python -m recipes.chain --replica https://app.internal:8443 --replica-ca ca.pem   # TLS to them
-    python -m recipes.chain --config chain.toml                # settings from a file (flags override it)
+    python -m recipes.chain --config chain.toml                # settings from a file (flags override it):
+                                            # also apps, auth keys, sessions, mirroring (docs/recipes.md)
 
 One role per process, so the hops can live on different machines
 (``--host 0.0.0.0`` listens on every interface):
@@ -45,13 +46,14 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from blocks import Chain, EtcdSource, LocalReplica, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
 from blocks.command import CommandParser, at_least, run_until_signal, seconds
 from blocks.routing import Address
-from blocks.topology import LOOPBACK, App, hop_from_url, read_apps, read_scheduler, replica_from_url, replica_url
+from blocks.topology import LOOPBACK, App, hop_from_url, hop_options, proxy_sections, replica_from_url, replica_url
 
 __all__ = ["FAIR", "Chain", "main"]
 
@@ -84,16 +86,18 @@ async def main(
     next_hop: Address | None = None,
     route_source: str | None = None,
     reread: Callable[[], object] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the chain, or one ``role`` of it (see the flags); report a :class:`~blocks.Chain` once it serves.
 
-    ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``."""
+    ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``.
+    ``options``: each hop's keywords from the config file (:func:`~blocks.topology.hop_options`)."""
     routed = bool(replica_urls or apps)
     if next_hop is None and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
         raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
-    ports = {"edge": port} if role == "chain" else {role: port}
+    hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
 
     async def build(chain: Chain) -> None:
         local: dict[str, LocalReplica] = {}
@@ -102,7 +106,7 @@ async def main(
             for name in [f"replica-{i}" for i in range(replicas)] if role == "chain" and not replica_urls else []:
                 local[name] = await chain.start_replica(name, protocol=replica_protocol)
             upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
-            server, _ = await chain.start_worker(local, app=None, upstream=upstream, port=ports.get("worker", 0))
+            server, _ = await chain.start_worker(local, app=None, upstream=upstream, **hops["worker"])
             worker = (host, server.port)
         if role in ("chain", "proxy"):
 
@@ -119,7 +123,7 @@ async def main(
             # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
             source = EtcdSource(route_source) if route_source else None
             upstream = UpstreamConfig(response_timeout=replica_timeout + 5)
-            await chain.start_proxy(source=source, scheduler=scheduler, upstream=upstream, port=ports.get("proxy", 0))
+            await chain.start_proxy(source=source, scheduler=scheduler, upstream=upstream, **hops["proxy"])
         if role in ("chain", "edge"):
             upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
             proxy = next_hop if role == "edge" else None
@@ -131,8 +135,7 @@ async def main(
 
 
 def run() -> None:
-    sections: dict[str, Callable[[object], object]] = {"apps": read_apps}
-    sections["scheduler"] = functools.partial(read_scheduler, default=FAIR)
+    sections = proxy_sections(FAIR)
     parser = CommandParser(prog="python -m recipes.chain", description=__doc__.splitlines()[0], sections=sections)
     parser.add_serving_flags()
     flag = parser.add_argument
@@ -148,8 +151,8 @@ def run() -> None:
     flag("--replica", dest="replica_urls", action="append", type=replica_url, default=[], metavar="URL", help=yours)
     flag("--replica-ca", type=Path, metavar="FILE", help="trust https replicas signed by these CAs (PEM) only")
     settings = vars(parser.parse_args())
-
-    grace, config = settings.pop("grace"), settings.pop("config")
+    settings["options"] = hop_options(settings, error=parser.error)
+    grace, config, *_ = (settings.pop(name) for name in ("grace", "config", "auth", "sessions", "mirror"))
     settings["scheduler"] = None if settings.pop("no_scheduler") else settings["scheduler"] or FAIR
     run_until_signal(functools.partial(main, reread=parser.reparse if config else None, **settings), grace=grace)
 

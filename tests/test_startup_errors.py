@@ -14,6 +14,7 @@ import pytest
 import trio
 
 REPO = Path(__file__).resolve().parent.parent
+KEY = f"[[auth.keys]]\nkid = 'k1'\nsecret = '{'ab' * 32}'\n"
 
 
 async def run_recipe(recipe: str, *args: str) -> tuple[int, str, str]:
@@ -118,6 +119,14 @@ async def test_a_certificate_it_cannot_use(tmp_path: Path, cert: str | None, key
         ("[apps.chat]\nreplicas = ['http://127.0.0.1']", ["apps", "host and a port"]),
         ("[scheduler]\nmax_in_flight = -1", ["scheduler", "max_in_flight"]),
         ("[scheduler]\nfairness = 1", ["scheduler", "fairness"]),
+        ("[auth]\n[[auth.keys]]\nkid = 'k1'\nsecret = 'zz'", ["auth", "keys: k1: secret", "not hex"]),
+        ("[auth]\n[[auth.keys]]\nkid = 'k1'\nsecret_file = 'k1.secret'", ["auth", "k1", "k1.secret", "No such file"]),
+        (f"[auth]\n{KEY}{KEY}", ["auth", "keys: k1", "a second key"]),
+        ("[auth]\napps = ['demo']", ["auth", "keys", "[[auth.keys]]"]),
+        ("[sessions]\napps = ['demo']\nttl = 0", ["sessions", "ttl"]),
+        (f"[sessions]\napps = ['demo']\nkid = 'k9'\n{KEY.replace('auth', 'sessions')}", ["sessions", "kid", "'k9'"]),
+        ("[mirror]\nmax_in_flight = 0", ["mirror", "max_in_flight"]),
+        ("[apps.shop]\nmirror = { to = 'candidate', fraction = 2 }", ["apps", "shop: mirror", "fraction"]),
     ],
     ids=lambda value: value.splitlines()[-1] if isinstance(value, str) else "missing" if value is None else "",
 )
