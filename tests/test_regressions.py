@@ -252,7 +252,7 @@ async def test_h2_header_list_over_the_edge_cap_gets_431_on_its_stream(nursery: 
                 big = await get(client, b"/", (b"x-big", b"a" * 70_000))
                 assert not big.connection_lost, f"the connection died instead of a 431: {big.terminated}"
                 assert big.status == 431
-                assert big.body == b"431 Request Header Fields Too Large\n"
+                assert big.body == b"431 Request Header Fields Too Large: bad_request; hop=edge\n"
                 after = await get(client, b"/")
                 assert after.status == 200
                 assert after.body == b"hello from replica-0\n"
