@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from blocks import (
     serve_http,
     text_response,
 )
+from blocks.mirror import MirrorConfig
 from blocks.observe import Metrics
 from blocks.scheduler import TenantPolicy
 
@@ -122,6 +124,21 @@ async def test_seven_requests_are_seven_2xx_at_every_hop_with_their_phases(nurse
     assert value(samples, "proxyblocks_listener_draining", hop="edge") == 0
 
 
+async def test_every_family_the_docs_list_is_exposed_and_no_other(nursery: trio.Nursery) -> None:
+    """docs/observability.md's table and ``/metrics`` name the same families (with a scheduler and a mirror
+    configured, so that every part runs)."""
+    table = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    documented = set(re.findall(r"^\| `(proxyblocks_\w+)` \|", table, re.MULTILINE))
+    with trio.fail_after(15):
+        _, admin = await metered_chain(nursery, scheduler=SchedulerConfig(budget=8), mirror=MirrorConfig())
+        async with httpx.AsyncClient(trust_env=False) as client:
+            text = (await client.get(f"http://{HOST}:{admin.port}/metrics")).text
+    exposed = set()
+    for family in text_string_to_metric_families(text):
+        exposed.add(family.name + "_total" if family.type == "counter" else family.name)
+    assert exposed == documented
+
+
 async def test_a_502_is_counted_with_its_reason_and_the_ejection_with_its_replica(nursery: trio.Nursery) -> None:
     with trio.fail_after(15):
         chain, admin = await metered_chain(nursery, replicas=(), dead=("dead-0",))
@@ -185,7 +202,7 @@ async def test_a_full_queue_is_a_429_counted_for_its_tenant(nursery: trio.Nurser
         chain: Chain = await nursery.start(serve_chain, build)
         admin = await chain.start_admin()
         async with h2_client() as client, trio.open_nursery() as inner:
-            inner.start_soon(client.get, chain.url + "/hold", headers={"x-tenant": "alice"})
+            inner.start_soon(functools.partial(client.get, chain.url + "/hold", headers={"x-tenant": "alice"}))
             await wait_for(lambda: chain.proxy.scheduler is not None and chain.proxy.scheduler.statistics().in_flight)
             response = await client.get(chain.url + "/", headers={"x-tenant": "alice"})
             assert response.status_code == 429

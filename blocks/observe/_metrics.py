@@ -367,10 +367,12 @@ class MetricsCollector:
 
     def _replicas(self, parts: Sequence[Part]) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
-            "proxyblocks_replica_in_flight", "Requests in flight per replica, as a hop counts them.", ["hop", "replica"]
+            "proxyblocks_replica_in_flight",
+            "Requests in flight per replica, as a hop counts them.",
+            labels=["hop", "replica"],
         )
         sessions = GaugeMetricFamily(
-            "proxyblocks_replica_sessions", "Sessions per replica, as a hop counts them.", ["hop", "replica"]
+            "proxyblocks_replica_sessions", "Sessions per replica, as a hop counts them.", labels=["hop", "replica"]
         )
         for part in parts:
             hop = part.hop
@@ -412,7 +414,9 @@ class MetricsCollector:
             "proxyblocks_outlier_ejected", "1 while a replica is ejected from selection.", labels=["hop", "replica"]
         )
         retried = CounterMetricFamily(
-            "proxyblocks_proxy_retried", "Requests a proxy sent to another replica (the first unreachable).", ["hop"]
+            "proxyblocks_proxy_retried",
+            "Requests a proxy sent to another replica (the first unreachable).",
+            labels=["hop"],
         )
         for part in parts:
             hop = part.hop
