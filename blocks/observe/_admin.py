@@ -67,7 +67,7 @@ def status(observed: Observed, collector: MetricsCollector) -> dict[str, Any]:
     apps: list[dict[str, Any]] = []
     tenants: list[dict[str, Any]] = []
     mirror: list[dict[str, Any]] = []
-    last_errors = []
+    last_errors: list[dict[str, Any]] = []
     for part in parts:
         stats = part.server.statistics()
         listeners.append(

@@ -454,7 +454,7 @@ class MetricsCollector:
         sums = {"admitted": 0, "refused_429": 0, "refused_503": 0, "queued": 0, "in_flight": 0}
         for name in shown:
             t = tenants[name]
-            row = {
+            row: dict[str, Any] = {
                 "name": name,
                 "admitted": t.granted,
                 "queued": t.queued,
@@ -465,7 +465,7 @@ class MetricsCollector:
             rows.append(row)
             for key in sums:
                 sums[key] += row[key]
-        other = {
+        other: dict[str, Any] = {
             "name": "other",
             "admitted": stats.granted - sums["admitted"],
             "queued": stats.queued - sums["queued"],
