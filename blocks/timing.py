@@ -53,6 +53,11 @@ class Timing:
     def phase(self, name: str, seconds: float) -> None:
         self._phases.append((name, seconds))
 
+    @property
+    def phases(self) -> list[tuple[str, float]]:
+        """The sub-phases recorded so far, ``(name, seconds)`` in order (read them, do not edit)."""
+        return self._phases
+
     def entries(self, hop: str, *, upstream_name: str | None = None, total: bool = False) -> bytes:
         """This hop's Server-Timing entries, as of now.
 

@@ -48,6 +48,7 @@ from blocks._sections import (
 )
 from blocks.command import Section
 from blocks.hops import EdgeConfig, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
+from blocks.observe import Observed, named_parts, serve_admin, served_hop
 from blocks.routing import (
     Address,
     AppSettings,
@@ -425,6 +426,30 @@ class Chain:
         serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
         self._edge = await self._nursery.start(serve)
         return self._edge
+
+    async def start_admin(self, *, port: int = 0, host: str | None = None, top_tenants: int = 10) -> HTTPServer:
+        """Start the admin listener (:func:`~blocks.observe.serve_admin`) on ``host:port`` (default: the
+        chain's host, a free port) over every part the chain runs, started before or after it.
+
+        Its ``/readyz`` is 200 once a part listens and the proxy's routes are
+        loaded (a chain without a proxy needs none), and 503 from the moment
+        :meth:`shutdown` starts draining. Per-request counts come from the
+        hops given a :class:`~blocks.observe.Metrics` feature
+        (``features=[Metrics()]``). It stops with the chain.
+        """
+
+        def observed() -> Observed:
+            parts: list[tuple[str, HTTPServer, Any]] = []
+            if self._edge is not None:
+                parts.append(("edge", self._edge, served_hop(self._edge)))
+            if self._proxy is not None:
+                parts.append((self._proxy[1].name, *self._proxy))
+            parts += [(worker.name, server, worker) for server, worker in self.workers]
+            return Observed(parts=named_parts(parts), routes=self.cache if self._proxy is not None else None)
+
+        serve = functools.partial(serve_admin, observed, host=host or self.host, port=port, top_tenants=top_tenants)
+        server: HTTPServer = await self._nursery.start(serve)
+        return server
 
     async def shutdown(self, grace: float = 10.0) -> None:
         """Drain front to back, then stop everything the chain runs.

@@ -22,6 +22,11 @@ its stack in this order, each phase over the features in stack order:
    (502, 503, 504; ``headers`` empty).
 6. ``closed(exchange)``: exactly once per exchange whose ``dispatched`` ran
    for this feature, however it ends, in reverse stack order.
+7. ``answered(exchange, status, headers)``: once per request, the head this
+   hop sends back: the upstream's final one (after ``response``), or this
+   hop's own error answer (a refusal in ``screen``, no route, an upstream
+   that never answered). A request answered by ``exchange.answer`` (a
+   probe, a session start) is not heard here.
 
 The invariant the hop keeps: whatever a feature took in ``dispatched`` it
 gives back in ``closed``, and the scheduler slot admission took is released,
@@ -181,6 +186,8 @@ class Exchange:
             self.tee.head(status, headers)
         timing = self.timing
         timing.upstream = perf_counter() - self.start
+        for answered in hop._answered:
+            answered(self, status, headers)
         return add_server_timing(headers, timing.entries(hop.name, upstream_name=hop.upstream_name, total=hop.total))
 
     def retry_head(self, status: int, headers: Headers) -> Headers | None:
@@ -271,6 +278,9 @@ class Feature:
     def closed(self, exchange: Exchange) -> None:
         """The exchange ended, however: give back what ``dispatched`` took. Runs once, in reverse stack order."""
 
+    def answered(self, exchange: Exchange, status: int, headers: Headers) -> None:
+        """The head this hop sends back, once per request (its own error answers included); read only."""
+
 
 def _overrides(feature: Feature, phase: str) -> bool:
     return getattr(type(feature), phase) is not getattr(Feature, phase)
@@ -334,6 +344,7 @@ class Hop:
         self._screens = [f.screen for f in stack if _overrides(f, "screen")]
         self._routes = [f.route for f in stack if _overrides(f, "route")]
         self._responses = [f.response for f in stack if _overrides(f, "response")]
+        self._answered = [f.answered for f in stack if _overrides(f, "answered")]
         # dispatched and closed pair up: closed runs for the features whose dispatched ran.
         observers = [f for f in stack if _overrides(f, "dispatched") or _overrides(f, "closed")]
         self._dispatchers = [f.dispatched if _overrides(f, "dispatched") else None for f in observers]
@@ -360,6 +371,11 @@ class Hop:
             timing.upstream = perf_counter() - exchange.start
         entries = timing.entries(self.name, upstream_name=self.upstream_name if sent else None, total=self.total)
         headers = add_server_timing([*error.headers, error_field(error.error_reason, self.name)], entries)
+        if self._answered:
+            if exchange is None:
+                exchange = Exchange(self, request)
+            for answered in self._answered:
+                answered(exchange, error.status, headers)
         return error_response(error.status, headers)
 
     def screen(self, exchange: Exchange) -> None:

@@ -53,11 +53,13 @@ class OutlierConfig:
 class OutlierStatistics:
     """``ejected``: replica name -> when its ejection ends (the detector's clock);
     ``failures``: replica name -> consecutive failures counted so far (non-zero
-    only); ``ejections``: ejections since the detector was made."""
+    only); ``ejections``: ejections since the detector was made;
+    ``by_replica``: those per replica name."""
 
     ejected: dict[str, float]
     failures: dict[str, int]
     ejections: int
+    by_replica: dict[str, int] = attrs.field(factory=dict)
 
 
 class OutlierDetector:
@@ -83,6 +85,7 @@ class OutlierDetector:
         self._until: dict[str, float] = {}  # ejected (possibly expired) -> end of the ejection
         self._history: dict[str, tuple[int, float]] = {}  # -> (ejections in a row, end of the last)
         self._ejections = 0
+        self._by_replica: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"<OutlierDetector ejected={sorted(self._until)} ejections={self._ejections}>"
@@ -117,6 +120,7 @@ class OutlierDetector:
         self._until[name] = end
         self._history[name] = (streak, end)
         self._ejections += 1
+        self._by_replica[name] = self._by_replica.get(name, 0) + 1
         self._forget_history(now)
         return True
 
@@ -166,4 +170,4 @@ class OutlierDetector:
     def statistics(self, now: float | None = None) -> OutlierStatistics:
         """A snapshot; with ``now``, only the ejections still in force then."""
         ejected = {name: end for name, end in self._until.items() if now is None or now < end}
-        return OutlierStatistics(ejected, dict(self._failures), self._ejections)
+        return OutlierStatistics(ejected, dict(self._failures), self._ejections, dict(self._by_replica))

@@ -42,6 +42,17 @@ _PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
 _UNLIMITED = 2**62  # a limit set to None
 
 
+def _abuse_reason(message: str) -> str:
+    """The reason a codec's ENHANCE_YOUR_CALM names, for the listener's count (``ServerStatistics.abuse``)."""
+    if "empty frames" in message:
+        return "empty_frames"
+    if "control frames" in message:
+        return "control_flood"
+    if "header block" in message.lower():
+        return "header_flood"  # CONTINUATIONs past the cap, or an HPACK bomb
+    return "abuse"
+
+
 class H2ServerConnection(H2Driver):
     peer = "client"
 
@@ -54,6 +65,7 @@ class H2ServerConnection(H2Driver):
         client: str,
         scheme: bytes,
         relay: Relay | None = None,
+        abuse: dict[str, int] | None = None,
     ) -> None:
         guard = GuardedFrameBuffer(
             max_header_block=config.max_header_list_size,
@@ -81,6 +93,7 @@ class H2ServerConnection(H2Driver):
         self.config = config
         self.client = client
         self.scheme = scheme
+        self.abuse = abuse  # the listener's count of connections closed for abuse, by reason
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
         self._final_goaway_sent = False
@@ -161,6 +174,8 @@ class H2ServerConnection(H2Driver):
         except ProtocolError as exc:
             # The codec queued a GOAWAY with the right error code; flush it and go.
             log.debug("h2 protocol error from %s: %s", self.client, exc)
+            if getattr(exc, "error_code", None) == _CALM:
+                self._count_abuse(_abuse_reason(str(exc)))
             self.mark_closed()
             return
         self.dispatch(events)
@@ -288,7 +303,7 @@ class H2ServerConnection(H2Driver):
             self._resets += 1
             limit = self.config.max_client_resets
             if limit is not None and self._resets > limit and 2 * self._resets > self._opened:
-                self.calm(f"{self._resets} of {self._opened} streams reset by the client")
+                self.calm(f"{self._resets} of {self._opened} streams reset by the client", "rapid_reset")
                 return
         self.on_reset(ev)
 
@@ -299,13 +314,14 @@ class H2ServerConnection(H2Driver):
             try:
                 self.h2.control_frame()
             except ProtocolError as exc:
-                self.calm(str(exc))
+                self.calm(str(exc), "control_flood")
                 return
         self.on_window_updated(ev)
 
-    def calm(self, why: str) -> None:
-        """Close the connection with GOAWAY(ENHANCE_YOUR_CALM): the client is abusive."""
+    def calm(self, why: str, reason: str = "abuse") -> None:
+        """Close the connection with GOAWAY(ENHANCE_YOUR_CALM): the client is abusive (``reason``, counted)."""
         log.info("closing the connection of %s: %s", self.client, why)
+        self._count_abuse(reason)
         try:
             # The codec would name the last stream it parsed; we name the last one we served.
             self.h2.close_connection(error_code=_CALM, last_stream_id=self._last_opened)
@@ -313,6 +329,11 @@ class H2ServerConnection(H2Driver):
             pass
         self.mark()
         self.mark_closed()
+
+    def _count_abuse(self, reason: str) -> None:
+        abuse = self.abuse
+        if abuse is not None:
+            abuse[reason] = abuse.get(reason, 0) + 1
 
     def _on_stream_ended(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)

@@ -101,12 +101,18 @@ class ListenerConfig:
 
 @attrs.frozen
 class ServerStatistics:
-    """A listener's connections (h1 and h2), how many it accepted, and each h2 connection's books."""
+    """A listener's connections (h1 and h2), how many it accepted, and each h2 connection's books.
+
+    ``abuse``: h2 connections closed with ENHANCE_YOUR_CALM, by reason
+    (``rapid_reset``, ``control_flood``, ``empty_frames``, ``header_flood``;
+    docs/limits.md), since the listener started.
+    """
 
     connections: int
     accepted: int
     draining: bool
     h2: tuple[H2ConnectionStatistics, ...] = ()
+    abuse: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -124,6 +130,7 @@ class HTTPServer:
     host: str = ""
     draining: bool = False
     _accepted: int = 0
+    _abuse: dict[str, int] = attrs.field(factory=dict)
     _connections: set[Any] = attrs.field(factory=set)
     _accept_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _conn_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
@@ -140,7 +147,11 @@ class HTTPServer:
     def statistics(self) -> ServerStatistics:
         h2 = tuple(c.proto.statistics() for c in self._connections if isinstance(c.proto, H2ServerConnection))
         return ServerStatistics(
-            connections=len(self._connections), accepted=self._accepted, draining=self.draining, h2=h2
+            connections=len(self._connections),
+            accepted=self._accepted,
+            draining=self.draining,
+            h2=h2,
+            abuse=dict(self._abuse),
         )
 
     def drain(self) -> None:
@@ -242,7 +253,13 @@ class _Connection:
             is_h2 = initial.startswith(_H2_PREFACE)
         if is_h2:
             self.proto = H2ServerConnection(
-                transport, server.handler, config, client=client, scheme=scheme, relay=server.relay
+                transport,
+                server.handler,
+                config,
+                client=client,
+                scheme=scheme,
+                relay=server.relay,
+                abuse=server._abuse,
             )
             if self._draining:
                 self.proto.drain()
