@@ -75,6 +75,7 @@ NAMESPACES = [
         "blocks.hops",
         "blocks.http",
         "blocks.mirror",
+        "blocks.observe",
         "blocks.prober",
         "blocks.routing",
         "blocks.scheduler",
