@@ -52,6 +52,16 @@ ERROR_HEADER = b"proxyblocks-error"
 behind keeps it as it came; the proxy reads the worker's to retry a request
 that reached no replica. (Not internal: it is meant to reach the client.)"""
 
+REPORT_HEADER = b"x-proxyblocks-report"
+"""Written by the edge's access log as a request's last field: the proxy is to
+report where the request went. Read, and removed, by the proxy, which then
+writes :data:`ROUTED_HEADER` on the response."""
+
+ROUTED_HEADER = b"x-proxyblocks-routed"
+"""Written by the proxy on the response to a request that carried
+:data:`REPORT_HEADER`: ``APP REPLICA TENANT`` (``-`` for unknown). Read, and
+removed from the response, by the edge's access log."""
+
 LOAD_PATH = b"/.proxyblocks/load"
 """``GET`` with :data:`PROBE_HEADER`: the worker answers with its replicas'
 load as JSON (written by the prober, read by the worker)."""
@@ -70,6 +80,8 @@ __all__ = [
     "MIRROR_HEADER",
     "PROBE_HEADER",
     "REPLICA_HEADER",
+    "REPORT_HEADER",
+    "ROUTED_HEADER",
     "SESSIONS_PATH",
     "SESSION_HEADER",
     "TARGET_HEADER",

@@ -12,7 +12,15 @@ import attrs
 import trio
 
 from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized
-from blocks.fields import ERROR_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
+from blocks.fields import (
+    ERROR_HEADER,
+    REPLICA_HEADER,
+    REPORT_HEADER,
+    ROUTED_HEADER,
+    SESSION_HEADER,
+    SESSIONS_PATH,
+    TARGET_HEADER,
+)
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
@@ -258,6 +266,35 @@ class Outliers(Feature):
         self.detector.record(replica, False, exchange.hop.clock(), unreachable=unreachable)
 
 
+class ReportRoute(Feature):
+    """screen: a request whose last field is ``x-proxyblocks-report`` (the edge's access log asks) loses it;
+    response: its head gets ``x-proxyblocks-routed: APP REPLICA TENANT`` (``-`` for unknown), which the
+    edge's access log reads and removes. A request without it costs one comparison."""
+
+    def __init__(self, tenant_key: TenantKey) -> None:
+        self.tenant_key = tenant_key
+
+    def screen(self, exchange: Exchange) -> None:
+        headers = exchange.request.headers
+        if headers and headers[-1][0] == REPORT_HEADER:
+            headers.pop()
+            notes = exchange.notes
+            if notes is None:
+                exchange.notes = {REPORT_HEADER: True}
+            else:
+                notes[REPORT_HEADER] = True
+
+    def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
+        notes = exchange.notes
+        if notes is not None and REPORT_HEADER in notes:
+            try:
+                tenant = self.tenant_key(exchange.request)
+            except Exception:
+                tenant = "-"
+            report = f"{exchange.app or '-'} {exchange.replica or '-'} {tenant or '-'}"
+            headers.append((ROUTED_HEADER, report.encode("utf-8", "replace")))
+
+
 class Mirroring(Feature):
     """dispatched: a sampled request of an app whose settings mirror it gets a tee (:mod:`blocks.mirror`)."""
 
@@ -275,7 +312,7 @@ class Mirroring(Feature):
 class Proxy(Hop):
     """Routes by authority from in-memory :class:`~blocks.routing.Routes`; never awaits for a decision.
 
-    Its stack, in order: :class:`AppLookup`, :class:`SessionPin` (with
+    Its stack, in order: :class:`ReportRoute`, :class:`AppLookup`, :class:`SessionPin` (with
     ``sessions``), :class:`Authorize` (with ``auth``), the caller's
     ``features``, admission (with ``scheduler``), :class:`Router`,
     :class:`InFlight`, :class:`Outliers` (with ``outliers``),
@@ -314,7 +351,7 @@ class Proxy(Hop):
         accounting = InFlight(load)
         self.in_flight = accounting.counts
         self.router = Router(routes, policy or LeastInFlight(), self.in_flight, name, outliers)
-        stack: list[Feature] = [AppLookup(routes)]
+        stack: list[Feature] = [ReportRoute(tenant_key), AppLookup(routes)]
         if sessions is not None:
             stack.append(SessionPin(sessions, tenant_key, name))
         if auth is not None:

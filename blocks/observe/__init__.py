@@ -1,4 +1,4 @@
-"""Observability: Prometheus metrics, health and readiness, the status document and the admin page.
+"""Observability: Prometheus metrics, health and readiness, the admin page, the access log, request ids.
 
 - :class:`Metrics`: a hop :class:`~blocks.hops.Feature` that counts every
   request the hop answers (by app, status class and ``proxyblocks-error``
@@ -8,12 +8,20 @@
   :class:`MetricsCollector` from every part's ``statistics()``),
   ``/healthz``, ``/readyz`` (503 from the moment a drain starts),
   ``/status.json`` and ``/`` (the live admin page);
-  :meth:`~blocks.topology.Chain.start_admin` runs one over a chain.
+  :meth:`~blocks.topology.Chain.start_admin` runs one over a chain;
+- :class:`RequestIds`: an edge feature that keeps or starts ``x-request-id``
+  and W3C ``traceparent``, on the way up and back;
+- :func:`open_access_log`: one JSON line per request (:class:`AccessLog`,
+  a feature), written by a task of its own, never blocking a request;
+- :func:`configure_logging`: what ``--log-level`` sets.
 
-See docs/observability.md for the endpoints and every metric family.
+See docs/observability.md for the endpoints, every metric family and every log field.
 """
 
+from blocks.observe._accesslog import AccessLog, AccessLogStatistics, open_access_log
 from blocks.observe._admin import ADMIN_LISTENER, METRICS_CONTENT_TYPE, admin_page, ready, serve_admin, status
+from blocks.observe._ids import RequestIds, new_request_id, new_traceparent, valid_request_id, valid_traceparent
+from blocks.observe._logging import LEVELS, configure_logging
 from blocks.observe._metrics import (
     DEFAULT_BUCKETS,
     HopErrorRecord,
@@ -30,18 +38,28 @@ from blocks.observe._metrics import (
 __all__ = [
     "ADMIN_LISTENER",
     "DEFAULT_BUCKETS",
+    "LEVELS",
     "METRICS_CONTENT_TYPE",
+    "AccessLog",
+    "AccessLogStatistics",
     "HopErrorRecord",
     "Metrics",
     "MetricsCollector",
     "Observed",
     "Part",
     "PhaseHistogram",
+    "RequestIds",
     "admin_page",
+    "configure_logging",
     "hop_metrics",
     "named_parts",
+    "new_request_id",
+    "new_traceparent",
+    "open_access_log",
     "ready",
     "serve_admin",
     "served_hop",
     "status",
+    "valid_request_id",
+    "valid_traceparent",
 ]

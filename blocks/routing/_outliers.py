@@ -8,6 +8,7 @@ policy skips ejected replicas without knowing about them.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -15,6 +16,8 @@ import attrs
 
 from blocks._common import finite
 from blocks.routing._table import Replica
+
+log = logging.getLogger("blocks.routing")
 
 
 def _not_below_base(instance: OutlierConfig, attribute: attrs.Attribute[float], value: float) -> None:
@@ -102,6 +105,7 @@ class OutlierDetector:
             if now < until:
                 return False
             del self._until[name]  # back in selection, counting from zero
+            log.warning("replica %r back in selection", name)
         if ok:
             if self._failures:
                 self._failures.pop(name, None)
@@ -122,6 +126,12 @@ class OutlierDetector:
         self._ejections += 1
         self._by_replica[name] = self._by_replica.get(name, 0) + 1
         self._forget_history(now)
+        log.warning(
+            "replica %r %s: ejected for %.1fs",
+            name,
+            "unreachable" if unreachable else f"failed {failures} times in a row",
+            end - now,
+        )
         return True
 
     def _forget_history(self, now: float) -> None:
@@ -149,6 +159,7 @@ class OutlierDetector:
             return candidates
         for name in [name for name, end in until.items() if end <= now]:
             del until[name]  # over: back to the one-check fast path once none is left
+            log.warning("replica %r back in selection", name)
         out: list[tuple[float, int]] = []
         for i, replica in enumerate(candidates):
             ends = until.get(replica.name)

@@ -8,6 +8,7 @@ turn without a cancel scope per waiter, and reads tenants from requests.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,6 +30,12 @@ from blocks.scheduler._core import (
 
 if TYPE_CHECKING:
     from blocks.http import Request
+
+
+log = logging.getLogger("blocks.scheduler")
+
+_QUIET = 5.0
+"""Seconds without a refusal after which a tenant the scheduler refused is logged as admitted again."""
 
 
 # -- the trio driver --------------------------------------------------------------------------
@@ -59,13 +66,17 @@ class Scheduler:
         self._wake = Signal()
         self._armed = math.inf
         self._running = False
+        self._refusing: dict[str, float] = {}  # tenant -> when it was last refused (warned once)
 
     def __repr__(self) -> str:
         return f"<Scheduler {self._queue!r} waiters={len(self._waiters)}>"
 
     def try_acquire(self, tenant: str) -> Grant | None:
         """A slot now, or ``None``: a plain synchronous call, never a checkpoint."""
-        return self._queue.try_acquire(tenant)
+        grant = self._queue.try_acquire(tenant)
+        if self._refusing and grant is not None:
+            self._admitted(tenant)
+        return grant
 
     async def acquire(self, tenant: str) -> Grant:
         """A slot for ``tenant``, waiting its turn if need be.
@@ -85,18 +96,34 @@ class Scheduler:
                 raise trio.ClosedResourceError("the scheduler is not running: use open_scheduler")
             try:
                 ticket = queue.enqueue(tenant, trio.current_time())
-            except QueueFull:
+            except QueueFull as exc:
+                self._refused(tenant, exc)
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 raise
             if ticket.grant is None:
                 return await self._wait(ticket)
             grant = ticket.grant
+        if self._refusing:
+            self._admitted(tenant)
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()
         except BaseException:
             self.release(grant)
             raise
         return grant
+
+    def _refused(self, tenant: str, error: BaseException) -> None:
+        """A warning when ``tenant`` starts being refused; later refusals only move its quiet period."""
+        if tenant not in self._refusing:
+            log.warning("scheduler: refusing tenant %r (%s)", tenant, error)
+        self._refusing[tenant] = trio.current_time()
+
+    def _admitted(self, tenant: str) -> None:
+        """``tenant`` got a slot: if it was refused, and not for _QUIET seconds, it is admitted again."""
+        since = self._refusing.get(tenant)
+        if since is not None and trio.current_time() - since >= _QUIET:
+            del self._refusing[tenant]
+            log.warning("scheduler: admitting tenant %r again", tenant)
 
     async def _wait(self, ticket: Ticket) -> Grant:
         self._waiters[ticket] = trio.lowlevel.current_task()
@@ -126,6 +153,8 @@ class Scheduler:
             if task is None:  # its owner is gone (cannot happen; see _wait)
                 self.release(cast(Grant, ticket.grant))
             else:
+                if self._refusing:
+                    self._admitted(ticket.tenant)
                 trio.lowlevel.reschedule(task, outcome.Value(ticket.grant))
 
     def statistics(self) -> SchedulerStatistics:
@@ -147,6 +176,7 @@ class Scheduler:
                         tenant=ticket.tenant,
                         retry_after=policy.retry_after,
                     )
+                    self._refused(ticket.tenant, error)
                     trio.lowlevel.reschedule(task, outcome.Error(error))
 
     def _close(self) -> None:

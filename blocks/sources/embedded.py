@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -29,6 +30,8 @@ from blocks.errors import Compacted, RouteFileError
 from blocks.routing import RouteEvent
 from blocks.sources._base import Progress
 from blocks.sources.routefile import parse_route_file, read_route_file
+
+log = logging.getLogger("blocks.sources")
 
 _RACY_NS = 2_000_000_000
 """A file modified this recently (ns) is read and hashed even when its stat
@@ -170,8 +173,16 @@ class EmbeddedStore:
     def _take_file(self, path: str | os.PathLike[str], routes: Mapping[str, bytes]) -> int:
         revision = self.load_routes(routes, layer=os.fspath(path))
         self._file_loads += 1
-        self._file_error = None
+        self._file_failed(path, None)
         return revision
+
+    def _file_failed(self, path: str | os.PathLike[str], error: str | None) -> None:
+        """Keep the route file's error (None: it loaded); a warning once per change, never per poll."""
+        was, self._file_error = self._file_error, error
+        if error is not None and error != was:
+            log.warning("route file failed (%s); keeping the last good routes", error)
+        elif error is None and was is not None:
+            log.warning("route file %s loads again", os.fspath(path))
 
     def compact(self, revision: int) -> None:
         """Forget the history up to ``revision``: watches from before it raise ``Compacted``."""
@@ -279,12 +290,12 @@ class EmbeddedStore:
                 data = await file.read_bytes()
             except OSError as exc:
                 signature = candidate = None
-                self._file_error = f"{os.fspath(path)}: {exc.strerror or exc}"
+                self._file_failed(path, f"{os.fspath(path)}: {exc.strerror or exc}")
                 continue
             digest = hashlib.sha256(data).digest()
             if digest == loaded:  # unchanged, or back to the routes in force after a bad save
                 candidate = None
-                self._file_error = None
+                self._file_failed(path, None)
                 continue
             if digest != candidate:
                 # New content must read the same at the next poll before it is loaded: a
@@ -299,7 +310,7 @@ class EmbeddedStore:
                 routes = parse_route_file(data, path=path)
             except RouteFileError as exc:
                 rejected = digest
-                self._file_error = str(exc)
+                self._file_failed(path, str(exc))
                 continue
             self._take_file(path, routes)
             loaded = digest

@@ -328,6 +328,7 @@ async def serve_http(
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sockname = listeners[0].socket.getsockname()
     server = HTTPServer(handler, config, ssl_context, relay, upstreams, port=sockname[1], host=host)
+    log.info("%s listening on %s", config.hop or "server", server.url)
     await server._serve(listeners, task_status)
 
 
