@@ -25,6 +25,7 @@ state (``wait_for_function``), never for a duration. Playwright drives
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.resources
 import json
 import time
@@ -38,8 +39,8 @@ import trio
 from playwright.sync_api import Page, sync_playwright
 
 from blocks.http import Request, Response, json_response, text_response
+from blocks.topology import Chain, serve_chain
 from blocks.transport.listener import HTTPServer, serve_http
-from recipes.chain import Chain, main
 
 CHROMIUM = "/usr/bin/chromium"
 STEP_TIMEOUT_MS = 15_000
@@ -49,8 +50,17 @@ CLASSES = ("2xx", "3xx", "4xx", "5xx")
 WATCHED = "hop:edge:2xx"  # the number the test waits on
 SENT = 6  # requests answered 200 per round of traffic (the stand-in's round adds one 502)
 
-# The real admin listener, once the project has it; None until then.
-START_ADMIN: Callable[..., Awaitable[Any]] | None = getattr(Chain, "start_admin", None)
+
+def _observe() -> Any:
+    """``blocks.observe`` where it has the admin listener (``Chain.start_admin``), else None."""
+    try:
+        observe = importlib.import_module("blocks.observe")
+    except ImportError:
+        return None
+    return observe if hasattr(observe, "Metrics") and hasattr(Chain, "start_admin") else None
+
+
+OBSERVE = _observe()
 
 
 def _page_html() -> bytes:
@@ -179,12 +189,21 @@ async def _stand_in_site(nursery: trio.Nursery) -> Site:
     return Site(f"http://127.0.0.1:{admin.port}/", traffic, stop, stand_in)
 
 
-async def _admin_site(nursery: trio.Nursery, start_admin: Callable[..., Awaitable[Any]]) -> Site:
-    chain: Chain = await nursery.start(functools.partial(main, replicas=2))
+async def _admin_site(nursery: trio.Nursery, observe: Any) -> Site:
+    """The real admin listener over a chain whose hops count with the ``Metrics`` feature."""
+
+    async def build(chain: Chain) -> None:
+        replicas = {name: await chain.start_replica(name) for name in ("replica-0", "replica-1")}
+        await chain.start_worker(replicas, features=[observe.Metrics()])
+        await chain.start_proxy(features=[observe.Metrics()])
+        await chain.start_edge(features=[observe.Metrics()])
+
+    chain: Chain = await nursery.start(serve_chain, build)
+    start_admin: Callable[..., Awaitable[HTTPServer]] = getattr(Chain, "start_admin")  # noqa: B009
     admin = await start_admin(chain, port=0)
 
     async def traffic() -> None:
-        await _send([(f"{chain.url}/", "alice")] * SENT)
+        await _send([(f"{chain.url}/", "alice")] * SENT + [(f"{chain.url}/status/500", "alice")])
 
     async def stop() -> None:
         await admin.aclose(0)
@@ -248,7 +267,7 @@ def _browse(site: Site) -> dict[str, Any]:
 
 
 def _expected_metrics(status: dict[str, Any]) -> dict[str, object]:
-    """Every ``data-metric`` the page should show for ``status``, with its value."""
+    """Every ``data-metric`` the page should show for ``status``, with its value (``""`` for none)."""
     expected: dict[str, object] = {}
     for listener in status["listeners"]:
         for field in ("connections", "streams"):
@@ -276,7 +295,7 @@ def _expected_metrics(status: dict[str, Any]) -> dict[str, object]:
     if status["routes"]:
         for field in ("revision", "staleness_s", "connected"):
             expected[f"routes:{field}"] = status["routes"][field]
-    return expected
+    return {key: "" if value is None else value for key, value in expected.items()}
 
 
 def _shown(value: str) -> object:
@@ -306,8 +325,8 @@ async def test_the_admin_page_shows_every_section_updates_with_traffic_and_says_
     nursery: trio.Nursery,
 ) -> None:
     with trio.fail_after(120):
-        if START_ADMIN is not None:
-            site = await _admin_site(nursery, START_ADMIN)
+        if OBSERVE is not None:
+            site = await _admin_site(nursery, OBSERVE)
         else:
             site = await _stand_in_site(nursery)
         seen = await trio.to_thread.run_sync(functools.partial(_browse, site), abandon_on_cancel=True)
