@@ -1,30 +1,7 @@
-"""The topology kit: route records and a chain in one process, started part by part.
-
-Recipes, tests and benchmarks build their chains with these, so that the
-shape ``replicas -> worker -> proxy -> edge`` is written once:
-
-- :func:`route_records`: the route store records that send ``domains`` to
-  an app whose replicas sit behind one worker (nobody hand-writes keys);
-- :func:`open_chain` / :func:`serve_chain`: a :class:`Chain` owning one
-  nursery, started part by part (:meth:`Chain.start_replica`,
-  :meth:`Chain.start_worker`, :meth:`Chain.start_proxy`,
-  :meth:`Chain.start_edge`), the proxy routing from a :class:`RouteCache`
-  that follows the chain's :class:`EmbeddedStore`; :meth:`Chain.shutdown`
-  drains front to back, :meth:`Chain.reload` reloads what it loaded from
-  files.
-
-:mod:`blocks.command` runs a chain as a command: flags, a config file, signals;
-the readers of a proxy's config tables are here (:func:`proxy_sections`:
-``[apps.NAME]``, ``[scheduler]``, ``[auth]``, ``[sessions]``, ``[mirror]``),
-and :func:`hop_options` turns what they read into each hop's keywords.
-
-Each part is started on its own, so a process that runs one role (only a
-worker, only a proxy) uses the same steps as a chain in one process.
-"""
+"""A chain in one process, started part by part: :class:`Chain`, :func:`open_chain`, :func:`serve_chain`."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import ssl
 import tempfile
@@ -36,38 +13,18 @@ from typing import Any
 import attrs
 import trio
 
-from blocks._sections import (
-    AuthSettings,
-    SessionSettings,
-    hop_options,
-    read_app_settings,
-    read_auth,
-    read_mirror,
-    read_sessions,
-    read_token_keys,
-)
-from blocks.command import Section
 from blocks.hops import EdgeConfig, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
 from blocks.observe import Observed, named_parts, serve_admin, served_hop
 from blocks.routing import (
     Address,
     AppSettings,
     RouteCache,
-    encode_domain,
-    encode_replica,
-    encode_settings,
-    parse_address,
-    route_key_for_domain,
-    route_key_for_replica,
-    route_key_for_settings,
 )
-from blocks.scheduler import SchedulerConfig
 from blocks.sources import EmbeddedStore, RouteSource, reconcile
 from blocks.testing import make_self_signed, serve_demo_replica
+from blocks.topology._records import LOOPBACK, App, route_records
 from blocks.transport.listener import HTTPServer
 from blocks.transport.tls import server_context
-
-LOOPBACK = "127.0.0.1"
 
 ServeReplica = Callable[..., Awaitable[None]]
 """A ``serve_*`` function for one replica, called as ``serve(host=HOST, task_status=...)``
@@ -75,145 +32,6 @@ ServeReplica = Callable[..., Awaitable[None]]
 
 BuildChain = Callable[["Chain"], Awaitable[None]]
 """What :func:`serve_chain` calls to start a chain's parts, in order."""
-
-
-REPLICA_SCHEMES = {"http": "h1", "h2c": "h2", "https": "https"}
-"""The schemes :func:`replica_from_url` takes, and the protocol the worker speaks for each."""
-
-
-def replica_from_url(url: str) -> LocalReplica:
-    """A server of yours as a replica: ``http://host:port`` (HTTP/1.1), ``h2c://host:port``
-    (HTTP/2, prior knowledge) or ``https://host:port`` (TLS, ALPN ``h2`` else ``http/1.1``).
-
-    An ``https`` replica's certificate must name ``host`` as written (it is
-    the SNI too): a name stays a name, never the address it resolves to.
-    The worker verifies it against the system's trust store, or
-    ``UpstreamConfig(ca_file=...)``. Raises ``ValueError`` saying what is
-    wrong: another scheme, a path, or a missing or bad port.
-    """
-    scheme, sep, rest = url.partition("://")
-    protocol = REPLICA_SCHEMES.get(scheme.lower())
-    if not sep or protocol is None:
-        raise ValueError(f"{url!r}: a replica URL is http://host:port, h2c://host:port or https://host:port")
-    if rest.rstrip("/").count("/"):
-        raise ValueError(f"{url!r}: a replica URL names a server, not a path")
-    try:
-        address = parse_address(rest.rstrip("/"))
-    except ValueError:
-        raise ValueError(f"{url!r}: a replica URL needs a host and a port (1-65535)") from None
-    return LocalReplica(address, protocol)
-
-
-def route_records(
-    app: str,
-    replicas: Mapping[str, LocalReplica],
-    *,
-    worker: Address,
-    domains: Iterable[str] = (),
-    settings: AppSettings | None = None,
-) -> dict[str, bytes]:
-    """The route store records of one app: ``domains`` -> ``app`` -> ``replicas`` behind ``worker``.
-
-    One ``domains/<domain>`` record per domain (``"*"`` is the catch-all),
-    one ``apps/<app>/replicas/<name>`` per replica with its address and
-    protocol as the worker reaches it, and ``apps/<app>/settings`` when
-    ``settings`` is given. Write them with ``EmbeddedStore.transact`` (one
-    revision, so a route cache never sees half an app) or ``EtcdSource.put``.
-    """
-    records = {route_key_for_domain(domain): encode_domain(app) for domain in domains}
-    for name, replica in replicas.items():
-        value = encode_replica(worker=worker, address=replica.address, protocol=replica.protocol)
-        records[route_key_for_replica(app, name)] = value
-    if settings is not None:
-        records[route_key_for_settings(app)] = encode_settings(settings)
-    return records
-
-
-def hop_from_url(url: str) -> Address:
-    """The address of a hop behind (an edge's proxy, a proxy's worker): ``h2c://host:port`` or ``host:port``.
-
-    Raises ``argparse.ArgumentTypeError`` (so it serves as a flag's ``type``) saying what is wrong.
-    """
-    try:
-        replica = replica_from_url(url if "://" in url else f"h2c://{url}")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("a replica URL", "a hop's URL")) from None
-    if replica.protocol != "h2":
-        raise argparse.ArgumentTypeError(f"{url!r}: the hops speak cleartext HTTP/2, h2c://host:port")
-    return replica.address
-
-
-@attrs.frozen
-class App:
-    """An app and where it runs: the ``domains`` routed to it (``"*"``: every other), its ``replicas``
-    by name, and its ``settings`` record (what it mirrors), if any."""
-
-    domains: tuple[str, ...]
-    replicas: Mapping[str, LocalReplica]
-    settings: AppSettings | None = None
-
-
-def read_apps(table: object) -> dict[str, App]:
-    """The apps of a config file's ``[apps.NAME]`` tables, each ``domains = [names]`` and ``replicas = [URLs]``,
-    and optionally ``mirror = {to = "APP", fraction = 0.1, prefixes = ["/"]}`` (:func:`read_app_settings`).
-
-    The replicas are named ``NAME-0``, ``NAME-1``... A command's config
-    section (:class:`~blocks.command.CommandParser`): anything else is a
-    ``ValueError`` or ``TypeError`` saying what is wrong.
-    """
-    if not isinstance(table, dict):
-        raise TypeError("apps is a table of tables, [apps.NAME]")
-    apps: dict[str, App] = {}
-    for name, app in table.items():
-        lists = [items for key, items in app.items() if key != "mirror"] if isinstance(app, dict) else [None]
-        if (
-            not isinstance(app, dict)
-            or not app.keys() <= {"domains", "replicas", "mirror"}
-            or not all(isinstance(items, list) and all(isinstance(item, str) for item in items) for items in lists)
-        ):
-            raise ValueError(f"{name}: an app is domains = [names], replicas = [URLs] and an optional mirror")
-        try:
-            settings = read_app_settings(app["mirror"]) if "mirror" in app else None
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{name}: {exc}") from None
-        replicas = {f"{name}-{i}": replica_from_url(url) for i, url in enumerate(app.get("replicas", []))}
-        apps[name] = App(tuple(app.get("domains", [])), replicas, settings)
-    return apps
-
-
-def read_scheduler(table: object, default: SchedulerConfig) -> SchedulerConfig:
-    """A config file's ``[scheduler]`` table: ``budget``, and each tenant's ``max_in_flight``,
-    ``max_queued`` and ``queue_timeout`` (``default``'s where it says nothing); a
-    ``ValueError`` or ``TypeError`` says what is wrong."""
-    if not isinstance(table, dict):
-        raise TypeError("scheduler is a table, [scheduler]")
-    policy = dict(table)
-    budget = policy.pop("budget", default.budget)
-    return SchedulerConfig(budget=budget, default_policy=attrs.evolve(default.default_policy, **policy))
-
-
-def proxy_sections(scheduler: SchedulerConfig) -> dict[str, Section]:
-    """The tables of a proxy's config file, for ``CommandParser(sections=...)``: ``apps``
-    (:func:`read_apps`), ``scheduler`` (:func:`read_scheduler` over ``scheduler``), ``auth``
-    (:func:`read_auth`), ``sessions`` (:func:`read_sessions`) and ``mirror`` (:func:`read_mirror`).
-    :func:`hop_options` turns what they read into :func:`~blocks.serve_proxy`'s keywords."""
-    return {
-        "apps": read_apps,
-        "scheduler": functools.partial(read_scheduler, default=scheduler),
-        "auth": read_auth,
-        "sessions": read_sessions,
-        "mirror": read_mirror,
-    }
-
-
-def replica_url(url: str) -> str:
-    """A flag's ``type``: ``url`` if :func:`replica_from_url` takes it, else an
-    ``argparse.ArgumentTypeError`` saying why."""
-    try:
-        replica_from_url(url)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return url
 
 
 @attrs.define(eq=False)
@@ -539,30 +357,3 @@ async def serve_chain(
                 print(f"{part} listening on h2c://{host}:{server.port}", flush=True)
         task_status.started(chain)
         await trio.sleep_forever()
-
-
-__all__ = [
-    "LOOPBACK",
-    "REPLICA_SCHEMES",
-    "App",
-    "AuthSettings",
-    "BuildChain",
-    "Chain",
-    "ServeReplica",
-    "SessionSettings",
-    "hop_from_url",
-    "hop_options",
-    "open_chain",
-    "proxy_sections",
-    "read_app_settings",
-    "read_apps",
-    "read_auth",
-    "read_mirror",
-    "read_scheduler",
-    "read_sessions",
-    "read_token_keys",
-    "replica_from_url",
-    "replica_url",
-    "route_records",
-    "serve_chain",
-]
