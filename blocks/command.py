@@ -27,7 +27,27 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
+import attrs
 import trio
+
+from blocks.observe import LEVELS, configure_logging
+
+
+@attrs.frozen(kw_only=True)
+class Operations:
+    """How a command's operators watch it (what ``--admin-port`` and ``--access-log`` say).
+
+    ``admin_port``: an admin listener there (``/metrics``, ``/healthz``,
+    ``/readyz``, the admin page; 0: any free port), and every hop counts
+    its requests (:class:`~blocks.observe.Metrics`); None: neither.
+    ``access_log``: one JSON line per request at the edge, appended to
+    this file (``"-"``: standard output). :func:`~blocks.serve_chain` and
+    :func:`~blocks.open_chain` take it.
+    """
+
+    admin_port: int | None = None
+    access_log: str | None = None
+
 
 Section = Callable[..., object]
 """How a command reads one table of its config file (``CommandParser(sections=...)``): it takes the
@@ -48,7 +68,10 @@ class Drainable(Protocol):
 class CommandParser(argparse.ArgumentParser):
     """The command line of a proxyblocks command: a bad flag is one line, ``proxyblocks: error: ...``, and exit code 2.
 
-    It adds ``--config FILE`` (see the module's docstring): ``sections`` names
+    It adds the flags every command has: ``--admin-port PORT`` and
+    ``--access-log FILE`` (the namespace holds them as one
+    :class:`Operations`, ``operations``), ``--log-level`` (``warning`` by
+    default: the parse configures logging), and ``--config FILE`` (see the module's docstring): ``sections`` names
     the config file's tables and how each is read; a table the file does not
     have is None in the namespace. (argparse would print its usage before an
     error; ``--help`` still shows it, with every default.) Flags are never
@@ -65,6 +88,11 @@ class CommandParser(argparse.ArgumentParser):
         self.add_argument(
             "--config", type=Path, metavar="FILE", help="a TOML file of settings, keyed by the long flags' names"
         )
+        self.add_argument(
+            "--admin-port", type=port_number, metavar="PORT", help="serve /metrics, /healthz, /readyz and a status page"
+        )
+        self.add_argument("--access-log", metavar="FILE", help="one JSON line per request at the edge (-: stdout)")
+        self.add_argument("--log-level", type=str.lower, choices=LEVELS, default="warning", help="what is logged")
         self._raising = False
 
     def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
@@ -96,6 +124,10 @@ class CommandParser(argparse.ArgumentParser):
         parsed = super().parse_args(argv, settings)
         if (getattr(parsed, "cert", None) is None) != (getattr(parsed, "key", None) is None):
             self.error("--cert and --key go together")
+        if not self._raising:
+            configure_logging(parsed.log_level)
+        parsed.operations = Operations(admin_port=parsed.admin_port, access_log=parsed.access_log)
+        del parsed.admin_port, parsed.access_log, parsed.log_level
         return parsed
 
     def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:
@@ -321,6 +353,7 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> 
 __all__ = [
     "CommandParser",
     "Drainable",
+    "Operations",
     "Section",
     "at_least",
     "between",

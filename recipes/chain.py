@@ -51,7 +51,7 @@ from typing import Any
 import trio
 
 from blocks import Chain, EtcdSource, LocalReplica, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
-from blocks.command import CommandParser, at_least, run_until_signal, seconds
+from blocks.command import CommandParser, Operations, at_least, run_until_signal, seconds
 from blocks.routing import Address
 from blocks.topology import LOOPBACK, App, hop_from_url, hop_options, proxy_sections, replica_from_url, replica_url
 
@@ -87,6 +87,7 @@ async def main(
     route_source: str | None = None,
     reread: Callable[[], object] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
+    operations: Operations | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -120,9 +121,8 @@ async def main(
                 chain.on_reload(lambda: route(*attrgetter("replica_urls", "apps")(reread())))
             if routes_file is not None:
                 chain.follow_route_file(routes_file)
-            # Inner hops wait longer than the worker, so a slow replica surfaces as the worker's 504.
             source = EtcdSource(route_source) if route_source else None
-            upstream = UpstreamConfig(response_timeout=replica_timeout + 5)
+            upstream = UpstreamConfig(response_timeout=replica_timeout + 5)  # > the worker's: its 504 shows
             await chain.start_proxy(source=source, scheduler=scheduler, upstream=upstream, **hops["proxy"])
         if role in ("chain", "edge"):
             upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
@@ -131,7 +131,7 @@ async def main(
                 port=port, proxy=proxy, tls=tls, cert=cert, key=key, cert_dir=cert_dir, upstream=upstream
             )
 
-    await serve_chain(build, host=host, announce=announce, task_status=task_status)
+    await serve_chain(build, host=host, announce=announce, operations=operations, task_status=task_status)
 
 
 def run() -> None:

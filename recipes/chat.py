@@ -50,7 +50,7 @@ from blocks import (
     serve_chain,
     serve_websocket_app,
 )
-from blocks.command import at_least, port_number, seconds
+from blocks.command import Operations, at_least, port_number, seconds
 from blocks.testing import MAX_MESSAGE, ChatApp
 
 __all__ = ["MAX_MESSAGE", "Chat", "main"]
@@ -85,6 +85,7 @@ async def main(
     replicas: int = 2,
     rooms_per_replica: int = 8,
     idle_timeout: float = 600.0,
+    operations: Operations | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chat] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -109,7 +110,7 @@ async def main(
         await chain.start_edge(port=port)
 
     async with trio.open_nursery() as nursery:
-        chat = Chat(await nursery.start(serve_chain, build), apps, issuer)
+        chat = Chat(await nursery.start(functools.partial(serve_chain, build, operations=operations)), apps, issuer)
         if announce:
             print(f"chat on {chat.url}/#auth={chat.auth_token()}", flush=True)
         task_status.started(chat)
@@ -122,7 +123,8 @@ def run() -> None:
     parser.add_argument("--rooms-per-replica", type=at_least(1), default=8, help="sessions (rooms) one replica hosts")
     parser.add_argument("--grace", type=seconds, default=5.0, help="seconds requests in flight get on shutdown")
     args = parser.parse_args()
-    start = functools.partial(main, port=args.port, replicas=args.replicas, rooms_per_replica=args.rooms_per_replica)
+    start = functools.partial(main, port=args.port, replicas=args.replicas, operations=args.operations)
+    start = functools.partial(start, rooms_per_replica=args.rooms_per_replica)
     run_until_signal(start, grace=args.grace)
 
 

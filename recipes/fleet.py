@@ -48,7 +48,7 @@ import trio
 from trio import TaskStatus
 
 from blocks import Chain, CommandParser, EtcdSource, route_records, run_until_signal, serve_chain
-from blocks.command import at_least, between, port_number, seconds
+from blocks.command import Operations, at_least, between, port_number, seconds
 from blocks.testing import run_child_process, serve_etcd
 
 
@@ -96,6 +96,7 @@ async def main(
     proxies: int = 2,
     replicas: int = 2,
     progress_interval: float | None = None,
+    operations: Operations | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -118,7 +119,7 @@ async def main(
             started.append(ProxyProcess(name, line.split()[4], process))
 
     async with trio.open_nursery() as nursery:
-        chain: Chain = await nursery.start(serve_chain, build)
+        chain: Chain = await nursery.start(functools.partial(serve_chain, build, operations=operations))
         assert etcd is not None
         if announce:
             print(f"etcd at {etcd} (python -m blocks.routectl --etcd {etcd} list), fleet pid {os.getpid()}", flush=True)
@@ -142,7 +143,7 @@ def run() -> None:
     if args.role == "proxy" and args.etcd is None:
         parser.error("--role proxy needs --etcd URL")
     start = functools.partial(main, etcd=args.etcd, proxies=args.proxies, replicas=args.replicas)
-    start = functools.partial(start, progress_interval=args.progress_interval)
+    start = functools.partial(start, progress_interval=args.progress_interval, operations=args.operations)
     if args.role == "proxy":  # one proxy, as main starts each
         logging.basicConfig(format=f"proxy {args.name}: %(message)s")  # (its route source's lost and back)
         start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, args.progress_interval or 600.0)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import trio
 
 from blocks import Address, Chain, CommandParser, SchedulerConfig, TenantPolicy, open_upstreams, serve_chain
-from blocks.command import at_least, between, run_until_signal, seconds
+from blocks.command import Operations, at_least, between, run_until_signal, seconds
 from blocks.testing import SLEEP_20MS, TenantLoad, flood, steady
 
 SCHEDULER = SchedulerConfig(
@@ -81,6 +81,7 @@ async def main(
     rate: float = 10.0,
     scheduler: SchedulerConfig | None = SCHEDULER,
     report: Callable[[str], None] | None = print,
+    operations: Operations | None = None,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> tuple[TenantLoad, TenantLoad]:
     """Start the chain, run the load, shut the chain down; return ``(noisy, quiet)``."""
@@ -91,7 +92,9 @@ async def main(
         await chain.start_edge()
 
     async with trio.open_nursery() as nursery:
-        chain: Chain = await nursery.start(functools.partial(serve_chain, build, announce=report is not None))
+        chain: Chain = await nursery.start(
+            functools.partial(serve_chain, build, announce=report is not None, operations=operations)
+        )
         task_status.started(chain)
         if report is not None:
             report(f"edge listening on {chain.url}; scheduler {'on' if scheduler else 'off'}\n")
@@ -126,6 +129,7 @@ def run() -> None:
             rate=args.rate,
             scheduler=scheduler,
             report=report,
+            operations=args.operations,
             task_status=task_status,
         )
 

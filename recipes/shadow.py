@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from blocks import Chain, CommandParser, MirrorConfig, run_until_signal, serve_chain, serve_http
-from blocks.command import at_least, between, port_number
+from blocks.command import Operations, at_least, between, port_number
 from blocks.mirror import MirrorPair, MirrorStatistics
 from blocks.routing import AppSettings, MirrorSetting
 from blocks.testing import send_shop_traffic, shop_app
@@ -74,6 +74,7 @@ async def main(
     fraction: float = 1.0,
     requests: int = 0,
     serve: bool = True,
+    operations: Operations | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Shadow] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -92,7 +93,10 @@ async def main(
         await chain.start_edge(port=port)
 
     async with trio.open_nursery() as nursery:
-        shadow = Shadow(await nursery.start(functools.partial(serve_chain, build, announce=announce)), mismatches)
+        shadow = Shadow(
+            await nursery.start(functools.partial(serve_chain, build, announce=announce, operations=operations)),
+            mismatches,
+        )
         if requests:
             await send_shop_traffic((shadow.chain.host, shadow.chain.port), requests)
             for _ in range(500):  # up to 5 s for the last shadows to finish
@@ -113,6 +117,7 @@ def run() -> None:
     parser.add_argument("--serve", action="store_true", help="keep running after the report, until Ctrl-C")
     args = parser.parse_args()
     start = functools.partial(main, port=args.port, fraction=args.fraction, requests=args.requests, serve=args.serve)
+    start = functools.partial(start, operations=args.operations)
     run_until_signal(start, grace=5.0)
 
 

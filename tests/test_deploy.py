@@ -8,6 +8,7 @@ every wait bounded and on a state (a printed line, an answer).
 
 from __future__ import annotations
 
+import json
 import signal
 import ssl
 import subprocess
@@ -228,3 +229,24 @@ def test_the_docs_list_every_flag_of_every_recipe(recipe: str) -> None:
     assert "(default:" in shown or "default" in shown  # --help shows the defaults
     missing = sorted(flag for flag in flags if f"`{flag}" not in section)
     assert not missing, f"the {recipe} section of docs/recipes.md does not list {missing}"
+
+
+async def test_the_recipe_opens_an_admin_port_and_writes_an_access_log(tmp_path: Path) -> None:
+    log = tmp_path / "access.jsonl"
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--admin-port", "0", "--access-log", str(log))
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
+            answers = [await get(f"{url}/") for _ in range(3)]
+            assert [answer.status_code for answer in answers] == [200, 200, 200]
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                assert (await client.get(f"{admin}/readyz")).status_code == 200
+                metrics = (await client.get(f"{admin}/metrics")).text
+            counted = [line for line in metrics.splitlines() if line.startswith("proxyblocks_requests_total{")]
+            edge = [line for line in counted if 'hop="edge"' in line and 'status_class="2xx"' in line]
+            assert [line.rpartition(" ")[2] for line in edge] == ["3.0"], counted
+            await stop(process, lines)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [record["request_id"] for record in records] == [answer.headers["x-request-id"] for answer in answers]
+    assert {(record["status"], record["app"]) for record in records} == {(200, "demo")}

@@ -16,7 +16,7 @@ lines are dropped. Both are counted (``statistics().dropped``), and a
 warning is logged once when writing starts failing and once when it works
 again.
 
-Fields of a line (null when unknown; docs/observability-logs.md):
+Fields of a line (null when unknown; docs/observability.md):
 ``time`` (the request head's arrival, RFC 3339 UTC), ``hop``,
 ``request_id``, ``traceparent``, ``client``, ``method``, ``authority``,
 ``path``, ``http_version``, ``status``, ``reason`` (a ``proxyblocks-error``

@@ -13,8 +13,18 @@ from typing import Any
 import attrs
 import trio
 
+from blocks.command import Operations
 from blocks.hops import EdgeConfig, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
-from blocks.observe import Observed, named_parts, serve_admin, served_hop
+from blocks.observe import (
+    AccessLog,
+    Metrics,
+    Observed,
+    RequestIds,
+    named_parts,
+    open_access_log,
+    serve_admin,
+    served_hop,
+)
 from blocks.routing import (
     Address,
     AppSettings,
@@ -57,6 +67,14 @@ class Chain:
     _edge: HTTPServer | None = None
     _scratch: tempfile.TemporaryDirectory[str] | None = None  # the self-signed key's, removed with the chain
     _reloads: list[Callable[[], object]] = attrs.field(factory=list)
+    operations: Operations = attrs.field(factory=Operations, kw_only=True)
+    admin: HTTPServer | None = None
+
+    def _observed(self, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` for a hop, with the :class:`~blocks.observe.Metrics` feature when the chain has an admin port."""
+        if self.operations.admin_port is not None:
+            options["features"] = [*options.get("features", ()), Metrics()]
+        return options
 
     @property
     def edge(self) -> HTTPServer:
@@ -136,7 +154,7 @@ class Chain:
         :func:`~blocks.serve_worker` (``upstream``, ``sessions``, ``name``...).
         """
         started: tuple[HTTPServer, Worker] = await self._nursery.start(
-            functools.partial(serve_worker, replicas, host=self.host, **options)
+            functools.partial(serve_worker, replicas, host=self.host, **self._observed(options))
         )
         self.workers.append(started)
         if app is not None:
@@ -202,7 +220,8 @@ class Chain:
         ``upstream``, ``policy``, ``sessions``, ``mirror``...).
         """
         await self._nursery.start(reconcile, source or self.store, self.cache)
-        self._proxy = await self._nursery.start(functools.partial(serve_proxy, self.cache, host=self.host, **options))
+        serve = functools.partial(serve_proxy, self.cache, host=self.host, **self._observed(options))
+        self._proxy = await self._nursery.start(serve)
         return self._proxy
 
     async def start_edge(
@@ -241,7 +260,13 @@ class Chain:
             self.cert, key = make_self_signed(cert_dir)
             context = server_context(self.cert, key)
         config = EdgeConfig(proxy=proxy or (self.host, self.proxy_server.port))
-        serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
+        options = self._observed(options)
+        features = [RequestIds(), *options.pop("features", ())]
+        if self.operations.access_log is not None:
+            features.append(await self._nursery.start(_access_log, self.operations.access_log))
+        serve = functools.partial(
+            serve_edge, config, host=self.host, port=port, ssl_context=context, features=features, **options
+        )
         self._edge = await self._nursery.start(serve)
         return self._edge
 
@@ -306,17 +331,29 @@ def _certified(cert: Path, key: Path, context: ssl.SSLContext | None = None) -> 
     return context or fresh
 
 
+async def _access_log(path: str, task_status: trio.TaskStatus[AccessLog]) -> None:
+    async with open_access_log(path) as log:
+        task_status.started(log)
+        await trio.sleep_forever()
+
+
 @asynccontextmanager
-async def open_chain(*, host: str = LOOPBACK, store: EmbeddedStore | None = None) -> AsyncIterator[Chain]:
+async def open_chain(
+    *, host: str = LOOPBACK, store: EmbeddedStore | None = None, operations: Operations | None = None
+) -> AsyncIterator[Chain]:
     """An empty :class:`Chain` on ``host`` whose nursery runs every part it starts.
 
     ``store`` (default: a new, empty :class:`EmbeddedStore`) holds its
-    routes. Leaving the block cancels whatever still runs (no drain: call
-    :meth:`Chain.shutdown` for that, which also cancels the block's body),
-    and removes the temporary self-signed key of a ``tls`` edge.
+    routes. ``operations`` (:class:`~blocks.command.Operations`): with an
+    ``admin_port``, every hop it starts counts its requests
+    (:class:`~blocks.observe.Metrics`); with an ``access_log``, its edge
+    writes one; :func:`serve_chain` opens the admin listener. Leaving the
+    block cancels whatever still runs (no drain: call :meth:`Chain.shutdown`
+    for that, which also cancels the block's body), and removes the
+    temporary self-signed key of a ``tls`` edge.
     """
     async with trio.open_nursery() as nursery:
-        chain = Chain(host, store or EmbeddedStore(), RouteCache(), nursery)
+        chain = Chain(host, store or EmbeddedStore(), RouteCache(), nursery, operations=operations or Operations())
         try:
             yield chain
             nursery.cancel_scope.cancel()
@@ -331,9 +368,14 @@ async def serve_chain(
     host: str = LOOPBACK,
     store: EmbeddedStore | None = None,
     announce: bool = False,
+    operations: Operations | None = None,
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Open a chain, let ``build`` start its parts, report the :class:`Chain`, run until it shuts down.
+
+    With ``operations`` (see :func:`open_chain`) that name an ``admin_port``,
+    the admin listener (:meth:`Chain.start_admin`) opens once ``build`` has
+    returned (:attr:`Chain.admin`).
 
     With ``announce``, once ``build`` has returned it prints ``edge
     listening on http://HOST:PORT`` (or ``https://``) if it started an
@@ -341,10 +383,13 @@ async def serve_chain(
     --cacert PATH URL/)``, then the address of every other part it started
     (``proxy listening on h2c://HOST:PORT``,
     ``worker listening on ...``, ``replica NAME listening on ...``): the
-    internal hops speak cleartext HTTP/2 with prior knowledge.
+    internal hops speak cleartext HTTP/2 with prior knowledge; and last
+    ``admin listening on http://HOST:PORT``.
     """
-    async with open_chain(host=host, store=store) as chain:
+    async with open_chain(host=host, store=store, operations=operations) as chain:
         await build(chain)
+        if chain.operations.admin_port is not None:
+            chain.admin = await chain.start_admin(port=chain.operations.admin_port)
         if announce and chain._edge is not None:
             print(f"edge listening on {chain.edge.scheme}://{host}:{chain.edge.port}", flush=True)
             if chain.cert is not None and chain._scratch is not None:
@@ -355,5 +400,7 @@ async def serve_chain(
             parts += [(f"replica {name}", server) for name, server in chain.replicas.items()]
             for part, server in parts:
                 print(f"{part} listening on h2c://{host}:{server.port}", flush=True)
+            if chain.admin is not None:
+                print(f"admin listening on http://{host}:{chain.admin.port}", flush=True)
         task_status.started(chain)
         await trio.sleep_forever()
