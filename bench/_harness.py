@@ -30,6 +30,8 @@ def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None)
 
     ``replica PORT | worker PORT REPLICA | proxy PORT WORKER REPLICA | edge PORT PROXY``, or
     ``chain PORT REPLICA`` (edge, proxy and worker in one process, as the chain recipe runs them);
+    a role ending in ``+observed`` runs with an admin port (every hop counting its requests) and an
+    access log (to ``$PROXYBLOCKS_BENCH_ACCESS_LOG``, else ``/dev/null``);
     ``scheduler`` is the proxy's ``SchedulerConfig`` (tenant: ``x-tenant``), if any.
     """
     sys.path.insert(0, str(ROOT))
@@ -43,7 +45,7 @@ def serve_role(role: str, port: int, upstream: list[int], scheduler: Any = None)
         # open however long the rounds leave it idle.
         config = blocks.ListenerConfig(h2_idle_timeout=86400.0)
         server = functools.partial(blocks.testing.serve_demo_replica, "r0", host=HOST, port=port, config=config)
-    elif role in ("worker", "proxy", "edge", "chain"):
+    elif role.removesuffix("+observed") in ("worker", "proxy", "edge", "chain"):
         server = functools.partial(_serve_part, role, port, upstream, scheduler)
     else:
         raise SystemExit(f"unknown role {role!r}")
@@ -57,8 +59,14 @@ async def _serve_part(role: str, port: int, upstream: list[int], scheduler: Any)
     import trio
 
     import blocks
+    import blocks.command
 
-    async with blocks.open_chain(host=HOST) as chain:
+    operations = None
+    if role.endswith("+observed"):  # the admin listener (every hop counting) and an access log
+        role = role.removesuffix("+observed")
+        log = Path(os.environ.get("PROXYBLOCKS_BENCH_ACCESS_LOG", os.devnull))
+        operations = blocks.command.Operations(admin_port=0, access_log=str(log))
+    async with blocks.open_chain(host=HOST, operations=operations) as chain:
         replicas = {"r0": blocks.LocalReplica((HOST, upstream[-1]), "h2")}
         if role in ("worker", "chain"):
             await chain.start_worker(replicas, port=port if role == "worker" else 0)
@@ -68,6 +76,9 @@ async def _serve_part(role: str, port: int, upstream: list[int], scheduler: Any)
             await chain.start_proxy(port=port if role == "proxy" else 0, scheduler=scheduler)
         if role in ("edge", "chain"):
             await chain.start_edge(port=port, proxy=(HOST, upstream[0]) if role == "edge" else None)
+        if operations is not None:
+            admin = await chain.start_admin(port=0)
+            print(f"admin listening on http://{HOST}:{admin.port}", flush=True)
         await trio.sleep_forever()
 
 
