@@ -30,7 +30,8 @@ from typing import Any, NoReturn, Protocol
 import attrs
 import trio
 
-from blocks.observe import LEVELS, configure_logging
+from blocks.observe import LEVELS as _LOG_LEVELS
+from blocks.observe import configure_logging
 
 
 @attrs.frozen(kw_only=True)
@@ -92,7 +93,7 @@ class CommandParser(argparse.ArgumentParser):
             "--admin-port", type=port_number, metavar="PORT", help="serve /metrics, /healthz, /readyz and a status page"
         )
         self.add_argument("--access-log", metavar="FILE", help="one JSON line per request at the edge (-: stdout)")
-        self.add_argument("--log-level", type=str.lower, choices=LEVELS, default="warning", help="what is logged")
+        self.add_argument("--log-level", type=str.lower, choices=_LOG_LEVELS, default="warning", help="what is logged")
         self._raising = False
 
     def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
@@ -127,7 +128,7 @@ class CommandParser(argparse.ArgumentParser):
         if not self._raising:
             configure_logging(parsed.log_level)
         parsed.operations = Operations(admin_port=parsed.admin_port, access_log=parsed.access_log)
-        del parsed.admin_port, parsed.access_log, parsed.log_level
+        del parsed.admin_port, parsed.access_log  # (log_level stays: a process may log as it likes)
         return parsed
 
     def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:

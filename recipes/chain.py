@@ -152,7 +152,7 @@ def run() -> None:
     flag("--replica-ca", type=Path, metavar="FILE", help="trust https replicas signed by these CAs (PEM) only")
     settings = vars(parser.parse_args())
     settings["options"] = hop_options(settings, error=parser.error)
-    grace, config, *_ = (settings.pop(name) for name in ("grace", "config", "auth", "sessions", "mirror"))
+    grace, config, *_ = (settings.pop(name) for name in ("grace", "config", "auth", "sessions", "mirror", "log_level"))
     settings["scheduler"] = None if settings.pop("no_scheduler") else settings["scheduler"] or FAIR
     run_until_signal(functools.partial(main, reread=parser.reparse if config else None, **settings), grace=grace)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 import sys
 from typing import NamedTuple
@@ -49,6 +48,7 @@ from trio import TaskStatus
 
 from blocks import Chain, CommandParser, EtcdSource, route_records, run_until_signal, serve_chain
 from blocks.command import Operations, at_least, between, port_number, seconds
+from blocks.observe import configure_logging
 from blocks.testing import run_child_process, serve_etcd
 
 
@@ -145,7 +145,7 @@ def run() -> None:
     start = functools.partial(main, etcd=args.etcd, proxies=args.proxies, replicas=args.replicas)
     start = functools.partial(start, progress_interval=args.progress_interval, operations=args.operations)
     if args.role == "proxy":  # one proxy, as main starts each
-        logging.basicConfig(format=f"proxy {args.name}: %(message)s")  # (its route source's lost and back)
+        configure_logging(args.log_level, prefix=f"proxy {args.name}: ")  # (its route source's lost and back)
         start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, args.progress_interval or 600.0)
     run_until_signal(start, grace=args.grace)
 

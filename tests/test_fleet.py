@@ -127,8 +127,10 @@ async def test_the_fleet_starts_etcd_again_and_its_proxies_catch_up() -> None:
         assert "Traceback" not in stderr
         # Quiet: each proxy says once that etcd went, and once that it is back, whatever its retries.
         for name in "ab":
-            lost = re.findall(rf"^proxy {name}: route source .* unavailable \(.*\); serving the routes", stderr, re.M)
-            back = re.findall(rf"^proxy {name}: route source .* back after [\d.]+s, at revision \d+$", stderr, re.M)
+            lost = re.findall(
+                rf"^proxy {name}: .* route source .* unavailable \(.*\); serving the routes", stderr, re.M
+            )
+            back = re.findall(rf"^proxy {name}: .* route source .* back after [\d.]+s, at revision \d+$", stderr, re.M)
             assert (len(lost), len(back)) == (1, 1), stderr
 
 

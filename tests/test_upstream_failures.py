@@ -626,7 +626,9 @@ def test_consecutive_failures_eject_and_a_success_resets_the_count() -> None:
     assert detector.record(a, False, 2.0) is True  # the fifth in a row
     assert detector.ejected(a, 2.0) and detector.ejected(a, 31.9) and not detector.ejected(a, 32.0)
     assert detector.selectable([a, b, c], 10.0) == [b, c]
-    assert detector.statistics() == OutlierStatistics(ejected={"r0": 32.0}, failures={}, ejections=1)
+    assert detector.statistics() == OutlierStatistics(
+        ejected={"r0": 32.0}, failures={}, ejections=1, by_replica={"r0": 1}
+    )
 
 
 def test_selection_is_untouched_while_nothing_is_ejected() -> None:

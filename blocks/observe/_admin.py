@@ -117,7 +117,7 @@ def status(observed: Observed, collector: MetricsCollector) -> dict[str, Any]:
                     )
         elif isinstance(hop, Worker) and not any(isinstance(p.hop, Proxy) for p in parts):
             apps.append(_worker_app(part.name, hop))
-    last_errors.sort(key=lambda e: e["time"], reverse=True)
+    last_errors = _first_seen(last_errors)
     routes: dict[str, Any] = {}
     if observed.routes is not None:
         staleness = routes_staleness(observed.routes)
@@ -228,3 +228,19 @@ async def serve_admin(
     """
     admin = _Admin(observe, top_tenants)
     await serve_http(admin.handle, host=host, port=port, config=ADMIN_LISTENER, task_status=task_status)
+
+
+def _first_seen(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Newest first, each error once: one that crossed several hops of this process (a worker's 502,
+    relayed by the proxy and the edge within a second) is kept as the hop nearest its cause saw it."""
+    kept: list[dict[str, Any]] = []
+    for error in sorted(errors, key=lambda e: e["time"]):
+        what = (error["status"], error["reason"], error["method"], error["authority"], error["path"])
+        if not any(
+            (seen["status"], seen["reason"], seen["method"], seen["authority"], seen["path"]) == what
+            and error["time"] - seen["time"] < 1.0
+            and seen["hop"] != error["hop"]
+            for seen in kept[-8:]
+        ):
+            kept.append(error)
+    return kept[::-1]

@@ -28,8 +28,10 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure_logging(level: str = "info", *, stream: TextIO | None = None) -> None:
+def configure_logging(level: str = "info", *, stream: TextIO | None = None, prefix: str = "") -> None:
     """Send every record at ``level`` or above to ``stream`` (default: standard error), one line each.
+
+    ``prefix`` starts each line (``"proxy a: "``: which of several processes sharing a stderr).
 
     ``level``: one of :data:`LEVELS`, any case; anything else raises
     ``ValueError`` naming the choices (a command turns it into one line).
@@ -44,7 +46,7 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None) -> N
         if getattr(handler, "_proxyblocks", False):
             root.removeHandler(handler)
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%Y-%m-%dT%H:%M:%S"))
+    handler.setFormatter(logging.Formatter(prefix.replace("%", "%%") + FORMAT, datefmt="%Y-%m-%dT%H:%M:%S"))
     handler._proxyblocks = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(name.upper())
