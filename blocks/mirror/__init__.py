@@ -7,10 +7,11 @@ shadow exchanges and body-less sinks) is ``_driver.py``. See docs/mirror.md.
 
 from blocks.fields import MIRROR_HEADER
 from blocks.mirror._core import MirrorPair, Observation, RouteComparison, Sampler
-from blocks.mirror._driver import Mirror, MirrorConfig, MirrorStatistics, open_mirror
+from blocks.mirror._driver import OUTCOMES, Mirror, MirrorConfig, MirrorStatistics, open_mirror
 
 __all__ = [
     "MIRROR_HEADER",
+    "OUTCOMES",
     "Mirror",
     "MirrorConfig",
     "MirrorPair",

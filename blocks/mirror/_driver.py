@@ -130,6 +130,10 @@ class MirrorConfig:
         )
 
 
+OUTCOMES = ("matches", "mismatches", "abandoned", "aborted", "failed", "timed_out", "cancelled", "skipped", "no_route")
+"""How a copy ends, each a count of :class:`MirrorStatistics` (``skipped`` and ``no_route``: never copied)."""
+
+
 @attrs.frozen
 class MirrorStatistics:
     """A snapshot of a :class:`Mirror`.
@@ -206,18 +210,7 @@ class Mirror:
         self._suffix = config.host_suffix.encode()
         self._marker = (config.header, b"1")
         self._counts = dict.fromkeys(
-            (
-                "sampled",
-                "matches",
-                "mismatches",
-                "abandoned",
-                "aborted",
-                "failed",
-                "timed_out",
-                "cancelled",
-                "skipped",
-                "no_route",
-            ),
+            ("sampled", *OUTCOMES),
             0,
         )
 

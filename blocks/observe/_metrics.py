@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from blocks.fields import ERROR_HEADER
 from blocks.hops import Exchange, Feature, Hop, Proxy, Worker
 from blocks.http import Headers
+from blocks.mirror import OUTCOMES
 from blocks.routing import RouteCache
 from blocks.transport.listener import HTTPServer
 
@@ -433,7 +434,7 @@ class MetricsCollector:
                     running.add_metric([part.name, name], row["in_flight"])
             if hop.mirror is not None:
                 stats = hop.mirror.statistics()
-                for outcome in MIRROR_OUTCOMES:
+                for outcome in OUTCOMES:
                     mirror.add_metric([part.name, outcome], getattr(stats, outcome))
             if hop.outliers is not None:
                 outliers = hop.outliers.statistics(hop.clock())
@@ -488,21 +489,6 @@ class MetricsCollector:
             staleness.add_metric([], routes_staleness(routes))
         yield revision
         yield staleness
-
-
-MIRROR_OUTCOMES = (
-    "matches",
-    "mismatches",
-    "abandoned",
-    "aborted",
-    "failed",
-    "timed_out",
-    "cancelled",
-    "skipped",
-    "no_route",
-)
-"""How a mirror's copy ends (``skipped`` and ``no_route``: never copied), as :class:`~blocks.mirror.MirrorStatistics`
-names them."""
 
 
 def routes_staleness(routes: RouteCache) -> float:
