@@ -41,13 +41,15 @@ class Operations:
     ``admin_port``: an admin listener there (``/metrics``, ``/healthz``,
     ``/readyz``, the admin page; 0: any free port), and every hop counts
     its requests (:class:`~blocks.observe.Metrics`); None: neither.
-    ``access_log``: one JSON line per request at the edge, appended to
-    this file (``"-"``: standard output). :func:`~blocks.serve_chain` and
-    :func:`~blocks.open_chain` take it.
+    ``access_log``: one JSON line per request, appended to this file
+    (``"-"``: standard output), at the hops named in ``access_log_hops``
+    (None: the front-most hop the command runs, the edge of a whole chain).
+    :func:`~blocks.serve_chain` and :func:`~blocks.open_chain` take it.
     """
 
     admin_port: int | None = None
     access_log: str | None = None
+    access_log_hops: frozenset[str] | None = None
 
 
 Section = Callable[..., object]
@@ -92,7 +94,13 @@ class CommandParser(argparse.ArgumentParser):
         self.add_argument(
             "--admin-port", type=port_number, metavar="PORT", help="serve /metrics, /healthz, /readyz and a status page"
         )
-        self.add_argument("--access-log", metavar="FILE", help="one JSON line per request at the edge (-: stdout)")
+        self.add_argument("--access-log", metavar="FILE", help="one JSON line per request (-: stdout)")
+        self.add_argument(
+            "--access-log-hops",
+            type=hop_names,
+            metavar="HOPS",
+            help="the hops that log, of edge,proxy,worker (default: the front-most hop this process runs)",
+        )
         self.add_argument("--log-level", type=str.lower, choices=_LOG_LEVELS, default="warning", help="what is logged")
         self._raising = False
 
@@ -127,8 +135,10 @@ class CommandParser(argparse.ArgumentParser):
             self.error("--cert and --key go together")
         if not self._raising:
             configure_logging(parsed.log_level)
-        parsed.operations = Operations(admin_port=parsed.admin_port, access_log=parsed.access_log)
-        del parsed.admin_port, parsed.access_log  # (log_level stays: a process may log as it likes)
+        parsed.operations = Operations(
+            admin_port=parsed.admin_port, access_log=parsed.access_log, access_log_hops=parsed.access_log_hops
+        )
+        del parsed.admin_port, parsed.access_log, parsed.access_log_hops  # (log_level stays: a process may use it)
         return parsed
 
     def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:
@@ -204,6 +214,17 @@ def port_number(text: str) -> int:
     if not (text.isascii() and text.isdigit() and int(text) <= 65535):
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
     return int(text)
+
+
+_HOPS = ("edge", "proxy", "worker")
+
+
+def hop_names(text: str) -> frozenset[str]:
+    """An argparse ``type``: a comma-separated list of hops (``edge``, ``proxy``, ``worker``)."""
+    names = frozenset(name.strip() for name in text.split(","))
+    if not names or not names <= set(_HOPS):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {', '.join(_HOPS)}")
+    return names
 
 
 def at_least(minimum: int, *, most: int | None = None) -> Callable[[str], int]:
@@ -358,6 +379,7 @@ __all__ = [
     "Section",
     "at_least",
     "between",
+    "hop_names",
     "port_number",
     "run_until_signal",
     "seconds",

@@ -292,6 +292,26 @@ class StreamBody(Body):
         self.discard()
 
 
+class Wire:
+    """The body bytes of one request as its listener moved them: ``received`` from the client, ``sent`` to it.
+
+    The listener counts each body byte once, as it takes it from the
+    connection or hands it to the connection, on every path (spliced,
+    handled, HTTP/1.1, a tunnel); padding and framing are not body bytes.
+    An HTTP/2 stream is its own :class:`Wire`, so counting costs one
+    addition per frame and nothing per request.
+    """
+
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.sent = 0
+
+    def __repr__(self) -> str:
+        return f"<Wire received={self.received} sent={self.sent}>"
+
+
 @attrs.define(eq=False)
 class Request:
     """An HTTP request head and its body, whatever the protocol it came in on.
@@ -321,6 +341,9 @@ class Request:
     tunnel lives, and a handler accepts it with a 200 whose body is the bytes
     to the client (any other status refuses it). A WebSocket that came in as
     an HTTP/1.1 ``Upgrade`` arrives in the same form (see :mod:`blocks.websocket`)."""
+    wire: Wire | None = None
+    """The body bytes the listener received and sent for it so far (:class:`Wire`); None for a
+    request no listener serves (one a program made)."""
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of header ``name`` (lowercase), or ``default``."""
@@ -501,6 +524,7 @@ __all__ = [
     "IterBody",
     "StreamBody",
     "Request",
+    "Wire",
     "Response",
     "Headers",
     "Handler",

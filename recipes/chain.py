@@ -61,9 +61,8 @@ FAIR = SchedulerConfig(
     budget=512,
     default_policy=TenantPolicy(max_in_flight=256, max_queued=512, queue_timeout=5.0),
 )
-"""The chain's fair scheduler: the proxy -> worker pool's 512 stream slots
-(8 connections x 64), at most half to one tenant (the ``x-tenant`` header),
-up to 512 waiting per tenant for 5 s."""
+"""The chain's fair scheduler: the proxy -> worker pool's 512 stream slots (8 connections x 64), at
+most half to one tenant (the ``x-tenant`` header), up to 512 waiting per tenant for 5 s."""
 
 
 async def main(
@@ -101,6 +100,7 @@ async def main(
     hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
 
     async def build(chain: Chain) -> None:
+        chain.front = "edge" if role == "chain" else role  # (where the access log goes, unless told)
         local: dict[str, LocalReplica] = {}
         worker = next_hop
         if role in ("chain", "worker"):

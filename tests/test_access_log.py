@@ -22,7 +22,7 @@ from typing import IO, Any
 import httpx
 import pytest
 import trio
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import HOST, closed_port, curl, route_apps, wait_for
 
@@ -38,8 +38,9 @@ from blocks import (
     serve_chain,
     serve_http,
 )
+from blocks.command import Operations
 from blocks.hops import Exchange, Hop
-from blocks.http import json_response
+from blocks.http import IterBody, json_response
 from blocks.observe import (
     AccessLog,
     RequestIds,
@@ -61,8 +62,17 @@ def h2_client() -> httpx.AsyncClient:
 
 
 async def echo_headers(request: Request) -> Response:
-    """A replica that answers with the fields it received, as JSON."""
+    """A replica that answers with the fields it received, as JSON; ``/bytes/N``: N bytes streamed
+    in chunks of up to 7000, with no length declared."""
     await request.body.read_all()
+    if request.path.startswith(b"/bytes/"):
+        size = int(request.path.removeprefix(b"/bytes/"))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for at in range(0, size, 7000):
+                yield b"x" * min(7000, size - at)
+
+        return Response(200, [], IterBody(chunks()))
     seen = {name.decode(): value.decode("latin-1") for name, value in request.headers}
     return json_response(200, json.dumps(seen).encode())
 
@@ -179,6 +189,85 @@ async def test_one_line_per_request_with_its_fields(tmp_path: Path) -> None:
     assert (second["app"], second["replica"], second["tenant"]) == ("gone", "dead-0", "bob")
     assert second["request_id"] == failed.headers["x-request-id"]
     assert (third["method"], third["bytes_in"], third["status"]) == ("POST", 5, 200)
+
+
+# Each case: (HTTP version, request body bytes, response body bytes, whether the request declares its length).
+_TRANSFERS = st.lists(
+    st.tuples(st.sampled_from(["1.1", "2"]), st.integers(0, 150_000), st.integers(0, 150_000), st.booleans()),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases=_TRANSFERS)
+def test_bytes_in_and_out_are_the_body_bytes_that_crossed_the_edge(
+    tmp_path_factory: pytest.TempPathFactory, cases: list[tuple[str, int, int, bool]]
+) -> None:
+    """Invariant: a line's ``bytes_in`` and ``bytes_out`` are the body bytes the client sent and got,
+    streamed or declared, over h1 or h2, on the first request of a connection (the handler path: the
+    edge's connection to the proxy is still opening) and the next ones (spliced)."""
+    path = tmp_path_factory.mktemp("log") / "access.log"
+
+    async def upload(size: int) -> AsyncIterator[bytes]:
+        for at in range(0, size, 5000):
+            yield b"u" * min(5000, size - at)
+
+    async def run() -> list[tuple[int, int]]:
+        got = []
+        with trio.fail_after(30):
+            async with logged_chain(path) as (chain, access_log):
+                clients = {
+                    "2": h2_client(),
+                    "1.1": httpx.AsyncClient(http2=False, trust_env=False),
+                }
+                for version, sent, size, declared in cases:
+                    content = b"u" * sent if declared else upload(sent)
+                    response = await clients[version].post(f"{chain.url}/bytes/{size}", content=content)
+                    assert response.status_code == 200 and response.http_version == f"HTTP/{version}"
+                    got.append((sent, len(response.content)))
+                for client in clients.values():
+                    await client.aclose()
+                await wait_for(lambda: access_log.statistics().written == len(cases), lambda: repr(access_log))
+        return got
+
+    got = trio.run(run)
+    logged = [(line["bytes_in"], line["bytes_out"]) for line in read_lines(path)]
+    assert [size for _, _, size, _ in cases] == [out for _, out in got]
+    assert sorted(logged) == sorted(got)
+
+
+async def test_a_chain_logs_at_the_hops_its_operations_name(tmp_path: Path) -> None:
+    """One access log, one line per request at each hop named, each with what that hop knew."""
+    path = tmp_path / "access.log"
+    operations = Operations(access_log=str(path), access_log_hops=frozenset({"edge", "proxy", "worker"}))
+
+    async def build(chain: Chain) -> None:
+        local = {"replica-0": await chain.start_replica("replica-0", serve_echo)}
+        await chain.start_worker(local)
+        await chain.start_proxy()
+        await chain.start_edge()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            chain: Chain = await nursery.start(functools.partial(serve_chain, build, operations=operations))
+            async with h2_client() as client:
+                response = await client.post(chain.url + "/bytes/3000", content=b"abc", headers={"x-tenant": "eve"})
+            await wait_for(lambda: path.exists() and len(path.read_text().splitlines()) == 3, "three lines")
+            chain.cancel()
+    by_hop = {line["hop"]: line for line in read_lines(path)}
+    assert sorted(by_hop) == ["edge", "proxy", "worker"]
+    rid = response.headers["x-request-id"]
+    assert {line["request_id"] for line in by_hop.values()} == {rid}
+    assert [(by_hop[hop]["bytes_in"], by_hop[hop]["bytes_out"]) for hop in by_hop] == [(3, 3000)] * 3
+    assert (by_hop["edge"]["app"], by_hop["edge"]["replica"], by_hop["edge"]["tenant"]) == ("demo", "replica-0", "eve")
+    assert (by_hop["proxy"]["app"], by_hop["proxy"]["replica"], by_hop["proxy"]["tenant"]) == (
+        "demo",
+        "replica-0",
+        "eve",
+    )
+    assert (by_hop["worker"]["replica"], by_hop["worker"]["status"]) == ("replica-0", 200)
+    assert "proxy" in by_hop["proxy"]["phases"] and "worker" in by_hop["worker"]["phases"]
 
 
 async def test_ids_a_client_sent_are_kept_and_bad_ones_replaced(tmp_path: Path) -> None:

@@ -81,7 +81,9 @@ class StandIn:
         replica = f"replica-{self.served % 2}"
         self.served += 1
         tenant = (request.header(b"x-tenant") or b"anonymous").decode()
-        counts = self.tenants.setdefault(tenant, {"admitted": 0, "queued": 0, "refused_429": 0, "refused_503": 0})
+        counts = self.tenants.setdefault(
+            tenant, {"admitted": 0, "queued": 0, "refused_429": 0, "refused_503": 0, "waiting": 0}
+        )
         counts["admitted"] += 1
         if request.path == b"/session":
             self.sessions[replica] += 1
@@ -274,7 +276,7 @@ def _expected_metrics(status: dict[str, Any]) -> dict[str, object]:
             for field in ("in_flight", "ejected", "ejections", "sessions"):
                 expected[f"replica:{app['name']}:{replica['name']}:{field}"] = replica[field]
     for tenant in status["tenants"]:
-        for field in ("admitted", "queued", "refused_429", "refused_503"):
+        for field in ("admitted", "queued", "refused_429", "refused_503", "waiting"):
             expected[f"tenant:{tenant['name']}:{field}"] = tenant[field]
     for pair in status["mirror"]:
         key = f"mirror:{pair['app']}:{pair['route']}"

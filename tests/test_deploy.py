@@ -43,10 +43,13 @@ async def stop(process: trio.Process, lines: Lines) -> str:
 async def test_each_role_in_a_process_of_its_own_fronts_your_server(tmp_path: Path) -> None:
     with trio.fail_after(90):
         async with http_server(tmp_path) as (host, port), trio.open_nursery() as nursery:
-            worker, worker_lines = await start_recipe(nursery, "--role", "worker")
+            logs = {role: tmp_path / f"{role}.jsonl" for role in ("proxy", "worker")}
+            worker, worker_lines = await start_recipe(nursery, "--role", "worker", "--access-log", str(logs["worker"]))
             at = (await worker_lines.until(r"^worker listening on (h2c://127\.0\.0\.1:\d+)$")).group(1)
             replica = f"http://{host}:{port}"
-            proxy, proxy_lines = await start_recipe(nursery, "--role", "proxy", "--next-hop", at, "--replica", replica)
+            proxy, proxy_lines = await start_recipe(
+                nursery, "--role", "proxy", "--next-hop", at, "--replica", replica, "--access-log", str(logs["proxy"])
+            )
             at = (await proxy_lines.until(r"^proxy listening on h2c://(127\.0\.0\.1:\d+)$")).group(1)
             edge, edge_lines = await start_recipe(nursery, "--role", "edge", "--next-hop", at)  # host:port works too
             url = (await edge_lines.until(r"^edge listening on (\S+)$")).group(1)
@@ -59,6 +62,17 @@ async def test_each_role_in_a_process_of_its_own_fronts_your_server(tmp_path: Pa
             # Each process runs its role only, and says where it listens.
             for output, role in zip(outputs, ["edge", "proxy", "worker"], strict=True):
                 assert [line.split()[0] for line in output.splitlines() if "listening on" in line] == [role]
+    # A process of one role writes its access log at its hop: what that hop knew of the request.
+    lines = {role: [json.loads(line) for line in log.read_text().splitlines()] for role, log in logs.items()}
+    rid = response.headers["x-request-id"]
+    proxy_line, worker_line = lines["proxy"], lines["worker"]
+    assert [(line["hop"], line["request_id"], line["app"], line["replica"]) for line in proxy_line] == [
+        ("proxy", rid, "demo", "replica-0")
+    ]
+    assert [(line["hop"], line["request_id"], line["replica"], line["status"]) for line in worker_line] == [
+        ("worker", rid, "replica-0", 200)
+    ]
+    assert proxy_line[0]["bytes_out"] == worker_line[0]["bytes_out"] == len(response.content)
 
 
 async def test_a_config_file_says_what_the_flags_say_and_a_flag_overrides_it(tmp_path: Path) -> None:

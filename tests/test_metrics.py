@@ -215,6 +215,41 @@ async def test_a_full_queue_is_a_429_counted_for_its_tenant(nursery: trio.Nurser
     assert value(samples, requests, hop="edge", app="", status_class="4xx", reason="overloaded") == 1
 
 
+async def test_a_request_that_waits_for_a_slot_is_counted_queued_and_its_depth_shown(
+    nursery: trio.Nursery,
+) -> None:
+    release = trio.Event()
+
+    async def hold(request: Request) -> Response:
+        if request.path == b"/hold":
+            await release.wait()
+        return text_response(200, "ok\n")
+
+    async def build(chain: Chain) -> None:
+        local = {"slow": await chain.start_replica("slow", functools.partial(serve_http, hold))}
+        await chain.start_worker(local)
+        await chain.start_proxy(features=[Metrics()], scheduler=SchedulerConfig(budget=1))
+        await chain.start_edge()
+
+    with trio.fail_after(15):
+        chain: Chain = await nursery.start(serve_chain, build)
+        admin = await chain.start_admin()
+        scheduler = chain.proxy.scheduler
+        async with h2_client() as client, trio.open_nursery() as inner:
+            inner.start_soon(functools.partial(client.get, chain.url + "/hold", headers={"x-tenant": "alice"}))
+            await wait_for(lambda: scheduler is not None and scheduler.statistics().in_flight == 1)
+            inner.start_soon(functools.partial(client.get, chain.url + "/", headers={"x-tenant": "alice"}))
+            await wait_for(lambda: scheduler is not None and scheduler.statistics().queued == 1, "one waits")
+            waiting = await scrape(admin)
+            release.set()
+        samples = await scrape(admin)
+    queued, depth = "proxyblocks_scheduler_queued_total", "proxyblocks_scheduler_queue_depth"
+    alice = {"hop": "proxy", "tenant": "alice"}
+    assert (value(waiting, queued, **alice), value(waiting, depth, **alice)) == (1, 1)
+    assert (value(samples, queued, **alice), value(samples, depth, **alice)) == (1, 0)
+    assert value(samples, "proxyblocks_scheduler_admitted_total", hop="proxy", tenant="alice") == 2
+
+
 async def test_an_abusive_connection_is_counted_by_reason(nursery: trio.Nursery) -> None:
     with trio.fail_after(15):
         chain, admin = await metered_chain(nursery)

@@ -475,6 +475,7 @@ class FairQueueMachine(RuleBasedStateMachine):
         self.grants = 0
         self.full = 0
         self.expired = 0
+        self.waited = 0  # tickets that had to wait
         self.peak_busy = 0
 
     @precondition(lambda self: self.queue is None)
@@ -539,6 +540,8 @@ class FairQueueMachine(RuleBasedStateMachine):
         self.waiting.append(ticket)
         if ticket.state == "granted":
             self._granted([ticket])
+        else:
+            self.waited += 1
 
     @precondition(lambda self: self.queue is not None and self.held)
     @rule(data=st.data())
@@ -585,7 +588,14 @@ class FairQueueMachine(RuleBasedStateMachine):
         if len(self.held) < self.config.budget:
             assert all(self._at_cap(t.tenant) for t in self.waiting)
         stats = queue.statistics()
-        assert (stats.granted, stats.rejected_full, stats.rejected_deadline) == (self.grants, self.full, self.expired)
+        assert (stats.granted, stats.rejected_full, stats.rejected_deadline, stats.waited) == (
+            self.grants,
+            self.full,
+            self.expired,
+            self.waited,
+        )
+        # The per-tenant counts of the tenants remembered never exceed the totals (the rest were forgotten).
+        assert sum(t.waited for t in stats.tenants.values()) <= stats.waited
         for tenant in set(in_flight) | set(queued):
             assert (stats.tenants[tenant].in_flight, stats.tenants[tenant].queued) == (
                 in_flight[tenant],

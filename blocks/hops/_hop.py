@@ -325,6 +325,8 @@ class Hop:
     total: bool = False
     retries: bool = False
     """True if :meth:`retry` may send a failed request elsewhere (the proxy's)."""
+    tenant_key: TenantKey | None = None
+    """How this hop names a request's tenant, if it knows tenants (the proxy's); what its access log reads."""
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ Fields of a line (null when unknown; docs/observability.md):
 ``time`` (the request head's arrival, RFC 3339 UTC), ``hop``,
 ``request_id``, ``traceparent``, ``client``, ``method``, ``authority``,
 ``path``, ``http_version``, ``status``, ``reason`` (a ``proxyblocks-error``
-reason), ``bytes_in``, ``bytes_out`` (declared body lengths), ``tenant``,
+reason), ``bytes_in``, ``bytes_out`` (body bytes received from the client and
+sent to it, as the listener counted them: :class:`~blocks.http.Wire`), ``tenant``,
 ``app``, ``replica``, ``duration_ms`` (to the exchange's end) and
 ``phases`` (the Server-Timing phases, in ms).
 
@@ -58,13 +59,14 @@ from blocks.timing import SERVER_TIMING, parse_server_timing
 log = logging.getLogger("blocks.accesslog")
 
 _REPORT = (REPORT_HEADER, b"1")
-_CONTENT_LENGTH = b"content-length"
-_BODILESS = frozenset({b"GET", b"HEAD"})
 
 # (status, response head as the hop saw it, perf_counter at the head, the proxy's report)
 _Head: TypeAlias = tuple[int, Headers, float, bytes | None]
-# (wall time at close, perf_counter at close, hop, request, app, replica, exchange.start, head)
-_Record: TypeAlias = tuple[float, float, Hop, Request, str | None, str | None, float, _Head | None]
+# (wall time at close, perf_counter at close, hop, request, app, replica, exchange.start, head,
+#  body bytes received, sent: None without a listener's count)
+_Record: TypeAlias = tuple[
+    float, float, Hop, Request, str | None, str | None, float, _Head | None, int | None, int | None
+]
 
 
 @attrs.frozen
@@ -83,17 +85,19 @@ class AccessLog(Feature):
 
     response: notes the status, the head, and (at the edge) the proxy's
     report of the app, the replica and the tenant, removing that internal
-    field. dispatched: asks the proxy for that report (``report=True``, the
-    default: an edge's). closed: buffers one record, or drops and counts it
-    when ``capacity`` records already wait.
+    field. dispatched: at the edge (the outermost hop), asks the proxy for
+    that report (``report=True``, the default). closed: buffers one record,
+    or drops and counts it when ``capacity`` records already wait.
 
     ``tenant_key``: the tenant of a request nobody reported one for (a
-    request the proxy answered itself, or an access log at a hop behind the
-    edge); None: null.
+    request the proxy answered itself); None: the hop's own
+    (``hop.tenant_key``: the proxy's), else null.
 
     Add it to a hop's ``features``: for the edge,
     ``serve_edge(config, features=[RequestIds(), log])``, the ids first so
-    the line carries them.
+    the line carries them. One access log may serve several hops (each line
+    names its ``hop``): the proxy's line has its app, replica and tenant,
+    the worker's its replica.
     """
 
     def __init__(self, *, capacity: int = 65536, tenant_key: TenantKey | None = None, report: bool = True) -> None:
@@ -123,16 +127,17 @@ class AccessLog(Feature):
     # -- the request path: references only -----------------------------------------------
 
     def dispatched(self, exchange: Exchange, forward: Forward) -> None:
-        if self.report:
+        if self.report and exchange.hop.total:
             forward.headers.append(_REPORT)  # the last field: the proxy looks there, and only there
 
     def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
         routed = None
-        n = len(headers)
-        for i in range(n - 1, max(n - 5, -1), -1):  # the proxy's report sits near the end
-            if headers[i][0] == ROUTED_HEADER:
-                routed = headers.pop(i)[1]
-                break
+        if self.report and exchange.hop.total:  # the edge asked: the proxy's report sits near the end
+            n = len(headers)
+            for i in range(n - 1, max(n - 5, -1), -1):
+                if headers[i][0] == ROUTED_HEADER:
+                    routed = headers.pop(i)[1]
+                    break
         notes = exchange.notes
         if notes is None:
             exchange.notes = {self: (status, headers, perf_counter(), routed)}
@@ -145,16 +150,20 @@ class AccessLog(Feature):
             self._dropped += 1
             return
         notes = exchange.notes
+        request = exchange.request
+        wire = request.wire  # read now: the counts as the exchange ends
         records.append(
             (
                 time(),
                 perf_counter(),
                 exchange.hop,
-                exchange.request,
+                request,
                 exchange.app,
                 exchange.replica,
                 exchange.start,
                 notes.get(self) if notes is not None else None,
+                wire.received if wire is not None else None,
+                wire.sent if wire is not None else None,
             )
         )
 
@@ -204,8 +213,8 @@ class AccessLog(Feature):
 
     def _line(self, record: _Record) -> str:
         """One record as its JSON line (with the newline)."""
-        closed_at, end, hop, request, app, replica, start, head = record
-        status = reason = bytes_out = routed = None
+        closed_at, end, hop, request, app, replica, start, head, bytes_in, bytes_out = record
+        status = reason = routed = None
         server_timing: list[bytes] = []
         phases: dict[str, float] = {}
         if head is not None:
@@ -215,8 +224,6 @@ class AccessLog(Feature):
                     reason = value.partition(b";")[0].strip().decode("latin-1")
                 elif name == SERVER_TIMING:
                     server_timing.append(value)
-                elif name == _CONTENT_LENGTH:
-                    bytes_out = _length(value)
             if server_timing:
                 phases = parse_server_timing(b", ".join(server_timing))
         timing = request.timing
@@ -232,22 +239,18 @@ class AccessLog(Feature):
         tenant = None
         if routed is not None:
             app, replica, tenant = _report(routed)
-        if tenant is None and self.tenant_key is not None:
+        tenant_key = self.tenant_key or hop.tenant_key
+        if tenant is None and tenant_key is not None:
             try:
-                tenant = self.tenant_key(request)
+                tenant = tenant_key(request)
             except Exception:
                 tenant = None
-        bytes_in = None
         request_id = traceparent = None
         for name, value in request.headers:
-            if name == _CONTENT_LENGTH:
-                bytes_in = _length(value)
-            elif name == REQUEST_ID:
+            if name == REQUEST_ID:
                 request_id = request_id or value.decode("latin-1")
             elif name == TRACEPARENT:
                 traceparent = traceparent or value.decode("latin-1")
-        if bytes_in is None and request.method in _BODILESS:
-            bytes_in = 0
         started = closed_at - (end - began)
         entry: dict[str, Any] = {
             "time": datetime.datetime.fromtimestamp(started, datetime.UTC)
@@ -272,13 +275,6 @@ class AccessLog(Feature):
             "phases": phases,
         }
         return json.dumps(entry, separators=(",", ":")) + "\n"
-
-
-def _length(value: bytes) -> int | None:
-    try:
-        return int(value)
-    except ValueError:
-        return None
 
 
 def _report(value: bytes) -> tuple[str | None, str | None, str | None]:

@@ -139,7 +139,7 @@ def status(observed: Observed, collector: MetricsCollector) -> dict[str, Any]:
     }
 
 
-_TENANT_KEYS = ("name", "admitted", "queued", "refused_429", "refused_503")
+_TENANT_KEYS = ("name", "admitted", "queued", "refused_429", "refused_503", "waiting")
 
 
 def _proxy_apps(proxy: Proxy) -> list[dict[str, Any]]:

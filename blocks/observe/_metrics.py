@@ -394,6 +394,11 @@ class MetricsCollector:
         admitted = CounterMetricFamily(
             "proxyblocks_scheduler_admitted", "Requests the fair scheduler admitted, per tenant.", labels=tenant
         )
+        queued = CounterMetricFamily(
+            "proxyblocks_scheduler_queued",
+            "Requests that had to wait in the fair scheduler's queue for a slot, per tenant.",
+            labels=tenant,
+        )
         refused = CounterMetricFamily(
             "proxyblocks_scheduler_refused",
             "Requests the fair scheduler refused, per tenant: 429 (queue full), 503 (waited too long).",
@@ -428,9 +433,10 @@ class MetricsCollector:
                 for row in self.tenant_rows(hop):
                     name = row["name"]
                     admitted.add_metric([part.name, name], row["admitted"])
+                    queued.add_metric([part.name, name], row["queued"])
                     refused.add_metric([part.name, name, "429"], row["refused_429"])
                     refused.add_metric([part.name, name, "503"], row["refused_503"])
-                    depth.add_metric([part.name, name], row["queued"])
+                    depth.add_metric([part.name, name], row["waiting"])
                     running.add_metric([part.name, name], row["in_flight"])
             if hop.mirror is not None:
                 stats = hop.mirror.statistics()
@@ -442,7 +448,7 @@ class MetricsCollector:
                     ejections.add_metric([part.name, replica], n)
                 for replica in sorted(outliers.ejected):
                     ejected.add_metric([part.name, replica], 1.0)
-        yield from (admitted, refused, depth, running, mirror, ejections, ejected, retried)
+        yield from (admitted, queued, refused, depth, running, mirror, ejections, ejected, retried)
 
     def tenant_rows(self, proxy: Proxy) -> list[dict[str, Any]]:
         """The proxy's scheduler per tenant: the top tenants by name, the rest summed as ``other``
@@ -452,15 +458,16 @@ class MetricsCollector:
         tenants = stats.tenants
         shown = top_tenants({name: t.granted for name, t in tenants.items()}, self._shown, self.top_tenants)
         rows = []
-        sums = {"admitted": 0, "refused_429": 0, "refused_503": 0, "queued": 0, "in_flight": 0}
+        sums = {"admitted": 0, "queued": 0, "refused_429": 0, "refused_503": 0, "waiting": 0, "in_flight": 0}
         for name in shown:
             t = tenants[name]
             row: dict[str, Any] = {
                 "name": name,
                 "admitted": t.granted,
-                "queued": t.queued,
+                "queued": t.waited,
                 "refused_429": t.rejected_full,
                 "refused_503": t.rejected_deadline,
+                "waiting": t.queued,
                 "in_flight": t.in_flight,
             }
             rows.append(row)
@@ -469,9 +476,10 @@ class MetricsCollector:
         other: dict[str, Any] = {
             "name": "other",
             "admitted": stats.granted - sums["admitted"],
-            "queued": stats.queued - sums["queued"],
+            "queued": stats.waited - sums["queued"],
             "refused_429": stats.rejected_full - sums["refused_429"],
             "refused_503": stats.rejected_deadline - sums["refused_503"],
+            "waiting": stats.queued - sums["waiting"],
             "in_flight": stats.in_flight - sums["in_flight"],
         }
         if len(tenants) > len(shown) or any(other[key] for key in sums):

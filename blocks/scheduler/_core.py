@@ -123,6 +123,7 @@ class _Tenant:
         "rejected_full",
         "used",
         "wait_next",
+        "waited",
         "waiting",
         "waits",
         "weight",
@@ -143,6 +144,7 @@ class _Tenant:
         self.granted = 0
         self.rejected_full = 0
         self.rejected_deadline = 0
+        self.waited = 0  # tickets that had to wait (granted at once by enqueue: not counted)
         self.waits: array[float] | None = None  # allocated on the first wait
         self.wait_next = 0
 
@@ -240,7 +242,7 @@ class FairQueue:
         self._stale = 0  # ...of which this many have nothing left waiting (cancelled, expired)
         self._deadlines: list[tuple[float, int, Ticket]] = []  # a heap; dead entries deleted lazily
         self._sequence = 0
-        self._forgotten = [0, 0, 0]  # granted, rejected_full, rejected_deadline of forgotten tenants
+        self._forgotten = [0, 0, 0, 0]  # granted, rejected_full, rejected_deadline, waited of forgotten tenants
 
     def __repr__(self) -> str:
         return (
@@ -299,6 +301,7 @@ class FairQueue:
                 forgotten[0] += state.granted
                 forgotten[1] += state.rejected_full
                 forgotten[2] += state.rejected_deadline
+                forgotten[3] += state.waited
 
     # -- granting ----------------------------------------------------------------------------
 
@@ -355,6 +358,8 @@ class FairQueue:
         if self._in_flight < self._budget:
             # By the invariant, the only eligible waiter is this new ticket.
             self._dispatch(now, [])
+        if ticket.state == _WAITING:
+            state.waited += 1
         return ticket
 
     def release(self, grant: Grant, now: float) -> list[Ticket]:
@@ -524,12 +529,14 @@ class FairQueue:
                 granted=state.granted,
                 rejected_full=state.rejected_full,
                 rejected_deadline=state.rejected_deadline,
+                waited=state.waited,
                 queue_wait_p50=_percentile(ordered, 0.5) if ordered else None,
                 queue_wait_p99=_percentile(ordered, 0.99) if ordered else None,
             )
             totals[0] += state.granted
             totals[1] += state.rejected_full
             totals[2] += state.rejected_deadline
+            totals[3] += state.waited
         return SchedulerStatistics(
             budget=self._budget,
             in_flight=self._in_flight,
@@ -537,5 +544,6 @@ class FairQueue:
             granted=totals[0],
             rejected_full=totals[1],
             rejected_deadline=totals[2],
+            waited=totals[3],
             tenants=MappingProxyType(tenants),
         )

@@ -98,8 +98,10 @@ class SchedulerConfig:
 class TenantStatistics:
     """One tenant's counters.
 
-    ``granted`` counts every grant, immediate or after a wait;
-    ``rejected_full`` the 429s, ``rejected_deadline`` the 503s. The wait
+    ``queued`` is the tickets waiting now; ``granted`` counts every grant,
+    immediate or after a wait; ``waited`` the requests that had to wait in
+    the queue (however their wait ended); ``rejected_full`` the 429s,
+    ``rejected_deadline`` the 503s. The wait
     percentiles (seconds, nearest rank) are over the most recent grants that
     had to queue (``None`` if none did); an immediate grant waits no time and
     is not sampled.
@@ -110,6 +112,7 @@ class TenantStatistics:
     granted: int
     rejected_full: int
     rejected_deadline: int
+    waited: int
     queue_wait_p50: float | None
     queue_wait_p99: float | None
 
@@ -128,4 +131,5 @@ class SchedulerStatistics:
     granted: int
     rejected_full: int
     rejected_deadline: int
+    waited: int
     tenants: Mapping[str, TenantStatistics]

@@ -14,7 +14,7 @@ import attrs
 import trio
 
 from blocks.command import Operations
-from blocks.hops import EdgeConfig, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
+from blocks.hops import EdgeConfig, Feature, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
 from blocks.observe import (
     AccessLog,
     Metrics,
@@ -68,13 +68,27 @@ class Chain:
     _scratch: tempfile.TemporaryDirectory[str] | None = None  # the self-signed key's, removed with the chain
     _reloads: list[Callable[[], object]] = attrs.field(factory=list)
     operations: Operations = attrs.field(factory=Operations, kw_only=True)
+    front: str = attrs.field(default="edge", kw_only=True)
+    """The hop facing this process's clients (a process running one role: that role): where the
+    access log is written when :attr:`operations` name no hops."""
     admin: HTTPServer | None = None
+    _access_log: AccessLog | None = None
 
-    def _observed(self, options: dict[str, Any]) -> dict[str, Any]:
-        """``options`` for a hop, with the :class:`~blocks.observe.Metrics` feature when the chain has an admin port."""
-        if self.operations.admin_port is not None:
-            options["features"] = [*options.get("features", ()), Metrics()]
-        return options
+    async def _observed(self, hop: str, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` for ``hop`` (``edge``, ``proxy``, ``worker``) with the features its operators
+        asked for: request ids at the edge (first, so every later feature sees them),
+        :class:`~blocks.observe.Metrics` with an admin port, and the chain's one access log (last, so
+        its line has what the others decided) at the hops :attr:`operations` name."""
+        operations = self.operations
+        features: list[Feature] = [RequestIds()] if hop == "edge" else []
+        features += options.get("features", ())
+        if operations.admin_port is not None:
+            features.append(Metrics())
+        if operations.access_log is not None and hop in (operations.access_log_hops or {self.front}):
+            if self._access_log is None:
+                self._access_log = await self._nursery.start(_serve_access_log, operations.access_log)
+            features.append(self._access_log)
+        return {**options, "features": features}
 
     @property
     def edge(self) -> HTTPServer:
@@ -154,7 +168,7 @@ class Chain:
         :func:`~blocks.serve_worker` (``upstream``, ``sessions``, ``name``...).
         """
         started: tuple[HTTPServer, Worker] = await self._nursery.start(
-            functools.partial(serve_worker, replicas, host=self.host, **self._observed(options))
+            functools.partial(serve_worker, replicas, host=self.host, **await self._observed("worker", options))
         )
         self.workers.append(started)
         if app is not None:
@@ -220,7 +234,7 @@ class Chain:
         ``upstream``, ``policy``, ``sessions``, ``mirror``...).
         """
         await self._nursery.start(reconcile, source or self.store, self.cache)
-        serve = functools.partial(serve_proxy, self.cache, host=self.host, **self._observed(options))
+        serve = functools.partial(serve_proxy, self.cache, host=self.host, **await self._observed("proxy", options))
         self._proxy = await self._nursery.start(serve)
         return self._proxy
 
@@ -260,13 +274,8 @@ class Chain:
             self.cert, key = make_self_signed(cert_dir)
             context = server_context(self.cert, key)
         config = EdgeConfig(proxy=proxy or (self.host, self.proxy_server.port))
-        options = self._observed(options)
-        features = [RequestIds(), *options.pop("features", ())]
-        if self.operations.access_log is not None:
-            features.append(await self._nursery.start(_access_log, self.operations.access_log))
-        serve = functools.partial(
-            serve_edge, config, host=self.host, port=port, ssl_context=context, features=features, **options
-        )
+        options = await self._observed("edge", options)
+        serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
         self._edge = await self._nursery.start(serve)
         return self._edge
 
@@ -331,7 +340,7 @@ def _certified(cert: Path, key: Path, context: ssl.SSLContext | None = None) -> 
     return context or fresh
 
 
-async def _access_log(path: str, task_status: trio.TaskStatus[AccessLog]) -> None:
+async def _serve_access_log(path: str, task_status: trio.TaskStatus[AccessLog]) -> None:
     async with open_access_log(path) as log:
         task_status.started(log)
         await trio.sleep_forever()
@@ -346,8 +355,8 @@ async def open_chain(
     ``store`` (default: a new, empty :class:`EmbeddedStore`) holds its
     routes. ``operations`` (:class:`~blocks.command.Operations`): with an
     ``admin_port``, every hop it starts counts its requests
-    (:class:`~blocks.observe.Metrics`); with an ``access_log``, its edge
-    writes one; :func:`serve_chain` opens the admin listener. Leaving the
+    (:class:`~blocks.observe.Metrics`); with an ``access_log``, the hops it
+    names (default: :attr:`Chain.front`, the edge) write one; :func:`serve_chain` opens the admin listener. Leaving the
     block cancels whatever still runs (no drain: call :meth:`Chain.shutdown`
     for that, which also cancels the block's body), and removes the
     temporary self-signed key of a ``tls`` edge.

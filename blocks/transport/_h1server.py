@@ -53,6 +53,7 @@ from blocks.http import (
     Headers,
     Request,
     Response,
+    Wire,
     abandon,
     empty_body,
     error_response,
@@ -98,14 +99,14 @@ class H1RequestBody(H1Body):
     still unfinished then fails with 408.
     """
 
-    __slots__ = ("_deadline", "_limit", "_received", "status")
+    __slots__ = ("_deadline", "_limit", "_wire", "status")
 
     peer = "client"
 
-    def __init__(self, h1: H1Stream, length: int | None, limit: int | None, deadline: float | None = None) -> None:
+    def __init__(self, h1: H1Stream, length: int | None, limit: int | None, deadline: float | None, wire: Wire) -> None:
         super().__init__(h1, length)
         self._limit = limit
-        self._received = 0
+        self._wire = wire  # counts what was received
         self._deadline = deadline
         self.status: int | None = None
 
@@ -128,8 +129,9 @@ class H1RequestBody(H1Body):
             if isinstance(cause, h11.RemoteProtocolError) and self.status is None:
                 self.status = cause.error_status_hint
             raise
-        self._received += len(data)
-        if self._limit is not None and self._received > self._limit:
+        wire = self._wire
+        wire.received += len(data)
+        if self._limit is not None and wire.received > self._limit:
             self.finished(False)
             self.status = 413
             raise PayloadTooLarge(f"request body over {self._limit} bytes")
@@ -183,17 +185,18 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
     if length is not None and limit is not None and length > limit:
         raise PayloadTooLarge(f"declared body of {length} bytes is over {limit}")
     body: Body
+    wire = Wire()
     if chunked or length:
         timeout = config.request_body_timeout
         deadline = None if timeout is None else trio.current_time() + timeout
-        body = H1RequestBody(reader, length, limit, deadline)
+        body = H1RequestBody(reader, length, limit, deadline, wire)
     else:
         # h11 has the (empty) end of this message already: take it now, so the
         # connection is ready for the next request once the response is out.
         reader.conn.next_event()
         body = empty_body()
         if reader.conn.their_state is _MIGHT_SWITCH:  # it asked to Upgrade
-            tunnel = _websocket(event, method, headers, reader, config)
+            tunnel = _websocket(event, method, headers, reader, config, wire)
             if tunnel is not None:
                 return Request(
                     b"CONNECT",
@@ -206,6 +209,7 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
                     "1.1",
                     Timing(),
                     protocol=b"websocket",
+                    wire=wire,
                 )
     return Request(
         method,
@@ -217,6 +221,7 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
         client,
         event.http_version.decode(),
         Timing(),
+        wire=wire,
     )
 
 
@@ -230,11 +235,12 @@ class H1TunnelBody(Body):
     :meth:`aclose` while a read waits, is a :class:`~blocks.errors.StreamReset`.
     """
 
-    __slots__ = ("_broken", "_done", "_gate", "_initial", "_stream", "accept", "on_eof")
+    __slots__ = ("_broken", "_done", "_gate", "_initial", "_stream", "_wire", "accept", "on_eof")
 
-    def __init__(self, stream: trio.abc.Stream, accept: bytes) -> None:
+    def __init__(self, stream: trio.abc.Stream, accept: bytes, wire: Wire) -> None:
         super().__init__(None)
         self._stream = stream
+        self._wire = wire  # counts what was received
         self._gate = trio.Event()
         self._initial = b""
         self._done = False
@@ -260,12 +266,14 @@ class H1TunnelBody(Body):
             return b""
         if self._initial:
             data, self._initial = self._initial, b""
+            self._wire.received += len(data)
             return data
         try:
             data = bytes(await self._stream.receive_some(65536))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._done = self._broken = True
             raise StreamReset("the client's tunnel broke") from exc
+        self._wire.received += len(data)
         if not data:
             self._done = True
             if self.on_eof is not None:
@@ -279,7 +287,7 @@ class H1TunnelBody(Body):
 
 
 def _websocket(
-    event: h11.Request, method: bytes, headers: Headers, reader: H1Stream, config: ListenerConfig
+    event: h11.Request, method: bytes, headers: Headers, reader: H1Stream, config: ListenerConfig, wire: Wire
 ) -> tuple[Headers, H1TunnelBody] | None:
     """A WebSocket upgrade as a tunnel's fields and body; None for another Upgrade (served as before)."""
     if b"websocket" not in comma_tokens(headers, b"upgrade"):
@@ -301,7 +309,7 @@ def _websocket(
         for name, value in strip_hop_by_hop(headers)
         if name not in KEY_FIELDS and name != b"content-length"
     ]
-    return fields, H1TunnelBody(reader.stream, accept_token(keys[0]))
+    return fields, H1TunnelBody(reader.stream, accept_token(keys[0]), wire)
 
 
 def _response_head(response: Response, close: bool) -> h11.Response:
@@ -461,7 +469,7 @@ async def serve_h1(
         # (A refused upgrade closes too: the client may have sent tunnel bytes we will not read.)
         close = drain.draining or request is None or broken is not None or request.protocol is not None
         try:
-            await _send_response(stream, conn, response, close)
+            await _send_response(stream, conn, response, close, request.wire if request is not None else None)
         except (StreamReset, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
@@ -499,6 +507,7 @@ async def _serve_tunnel(
     body = request.body
     assert type(body) is H1TunnelBody
     out = response.body
+    wire = body._wire
     try:
         head = [(b"upgrade", b"websocket"), (b"connection", b"Upgrade"), (b"sec-websocket-accept", body.accept)]
         head += [(n, v) for n, v in response.headers if n not in HOP_BY_HOP and n not in _NOT_IN_101]
@@ -514,6 +523,7 @@ async def _serve_tunnel(
             while chunk := await out.receive():
                 with trio.move_on_after(config.stall_timeout) as stalled:
                     await stream.send_all(chunk)
+                    wire.sent += len(chunk)
                 if stalled.cancelled_caught:
                     log.debug("the WebSocket client %s stopped reading; closing", request.client)
                     return
@@ -528,7 +538,10 @@ async def _serve_tunnel(
         await body.aclose()
 
 
-async def _send_response(stream: trio.abc.Stream, conn: h11.Connection, response: Response, close: bool) -> None:
+async def _send_response(
+    stream: trio.abc.Stream, conn: h11.Connection, response: Response, close: bool, wire: Wire | None
+) -> None:
+    """The response on the wire; ``wire`` (the request's, if one came) counts its body bytes as they go."""
     head = _response_head(response, close)
     out = conn.send(head)
     # Trailers travel only in chunked framing, which h11 picks when no length is set.
@@ -540,8 +553,12 @@ async def _send_response(stream: trio.abc.Stream, conn: h11.Connection, response
             out += conn.send(h11.Data(data=data))
         out += conn.send(h11.EndOfMessage(headers=body.trailers if chunked and body.trailers else []))
         await stream.send_all(out)
+        if wire is not None:
+            wire.sent += len(data)
         return
     await stream.send_all(out)
     while chunk := await body.receive():
         await stream.send_all(conn.send(h11.Data(data=chunk)))
+        if wire is not None:
+            wire.sent += len(chunk)
     await stream.send_all(conn.send(h11.EndOfMessage(headers=body.trailers if chunked and body.trailers else [])))

@@ -45,7 +45,7 @@ import trio
 
 from blocks._sync import Signal
 from blocks.errors import StreamReset
-from blocks.http import Body, BytesBody, Headers, StreamBody
+from blocks.http import Body, BytesBody, Headers, StreamBody, Wire
 from blocks.transport._codec import Codec, ErrorCodes, EventKind, ProtocolError
 
 if TYPE_CHECKING:
@@ -90,8 +90,9 @@ class H2ConnectionStatistics:
     unacknowledged: int
 
 
-class H2Stream:
-    """Per-stream state the drivers keep beside h2's own."""
+class H2Stream(Wire):
+    """Per-stream state the drivers keep beside h2's own; the :class:`~blocks.http.Wire` of its body
+    bytes: ``received`` (DATA from the peer, counted as it arrives), ``sent`` (DATA handed to the codec)."""
 
     __slots__ = (
         "body",
@@ -103,11 +104,11 @@ class H2Stream:
         "head",
         "id",
         "local_ended",
-        "received",
         "remote_ended",
         "signal",
         "splice",
         "stalled_since",
+        "tunnel",
         "window",
     )
 
@@ -122,7 +123,9 @@ class H2Stream:
         self.closed = False
         self.local_ended = False
         self.remote_ended = False
-        self.received = 0  # request body bytes (server side, when counted)
+        self.received = 0
+        self.sent = 0
+        self.tunnel = False  # server side: an extended CONNECT (its bytes are a stream, not a body)
         self.expected: int | None = None  # the declared content-length (server side, when counted)
         self.stalled_since: float | None = None  # since when sending on it waits for a window or the writer
         self.body_deadline: float | None = None  # server side: when its request body must have ended
@@ -433,12 +436,16 @@ class H2Driver:
         st = self.streams.get(ev.stream_id)
         data = ev.data or b""
         size = ev.flow_controlled_length or 0
-        if st is not None and self.count_body and self.body_refused(st, len(data), ev.stream_ended is not None, size):
-            return
-        if st is not None and st.splice is not None:
-            st.splice.data(self, st, data, size, ev.stream_ended is not None)
-            return
-        body = st.body if st is not None else None
+        if st is not None:
+            st.received += len(data)
+            if self.count_body and self.body_refused(st, ev.stream_ended is not None, size):
+                return
+            if st.splice is not None:
+                st.splice.data(self, st, data, size, ev.stream_ended is not None)
+                return
+            body = st.body
+        else:
+            body = None
         if body is None or body._ended:
             if size:  # nobody will read it
                 acknowledge(self.h2, size, ev.stream_id)
@@ -448,8 +455,9 @@ class H2Driver:
             acknowledge(self.h2, padding, ev.stream_id)
         body.feed(data)
 
-    def body_refused(self, st: H2Stream, length: int, end: bool, size: int) -> bool:
-        """Hook (server side): count ``length`` more body bytes; True if the frame must not be delivered."""
+    def body_refused(self, st: H2Stream, end: bool, size: int) -> bool:
+        """Hook (server side): ``st.received`` grew (``end``: its last frame); True if the frame must not
+        be delivered (it takes ``size``, the frame's flow-controlled length, off the pipe)."""
         return False
 
     def on_trailers(self, ev: Any) -> None:
@@ -506,12 +514,14 @@ class H2Driver:
             frame = conn.max_outbound_frame_size
             if size <= window and size <= frame:
                 conn.send_data(sid, data, end_stream=end_stream)
+                st.sent += size
                 self.kick()
                 st.stalled_since = None
                 return
             if window > 0:
                 n = min(window, frame)
                 conn.send_data(sid, data[:n])
+                st.sent += n
                 data = data[n:]
                 self.kick()
                 progressed = True

@@ -192,7 +192,7 @@ class H2ServerConnection(H2Driver):
         self._opened += 1
         self._last_opened = sid
         timing = Timing()
-        request = Request(b"", b"", b"", b"", [], empty_body(), self.client, "2", timing)
+        request = Request(b"", b"", b"", b"", [], empty_body(), self.client, "2", timing, wire=st)
         error: BlocksError | None = None
         try:
             length = self._fill_request(request, ev.headers)
@@ -206,8 +206,8 @@ class H2ServerConnection(H2Driver):
         if request.protocol is not None:
             # A tunnel (extended CONNECT, a WebSocket) carries a stream, not a
             # body: it lives as long as it likes, and max_request_body does not
-            # count it (its count starts too low to ever reach the limit).
-            st.received = -_UNLIMITED
+            # apply to it.
+            st.tunnel = True
         ended = ev.stream_ended is not None
         if ended:
             st.remote_ended = True
@@ -258,10 +258,10 @@ class H2ServerConnection(H2Driver):
                 headers.append((name, value))
         return length
 
-    def body_refused(self, st: H2Stream, length: int, end: bool, size: int) -> bool:
-        received = st.received = st.received + length
+    def body_refused(self, st: H2Stream, end: bool, size: int) -> bool:
+        received = st.received
         limit = self.body_limit
-        if limit is not None and received > limit:
+        if limit is not None and received > limit and not st.tunnel:
             self._refuse_body(st, size, PayloadTooLarge(f"request body over {limit} bytes"))
             return True
         expected = st.expected

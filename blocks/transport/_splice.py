@@ -163,6 +163,7 @@ class _Pipe:
                     last = self.ended and not self.pending and self.trailers is None
                     dst.send_data(sid, data, end_stream=last)
                     self.dst.pushed += len(data)
+                    self.dst_st.sent += len(data)
                     acknowledge(src, len(data), src_sid)
                     if last:
                         self.done = True
@@ -170,6 +171,7 @@ class _Pipe:
                     return True
                 dst.send_data(sid, data[:room])
                 self.dst.pushed += room
+                self.dst_st.sent += room
                 acknowledge(src, room, src_sid)
                 data = data[room:]
                 progressed = True
@@ -413,6 +415,7 @@ class Splice:
         try:
             down.h2.send_headers(st.id, head)
             down.h2.send_data(st.id, response.body.data, end_stream=True)
+            st.sent += len(response.body.data)
         except ProtocolError:
             down.reset(st, _CANCEL)
             return
