@@ -511,11 +511,11 @@ def strip_hop_by_hop(headers: Headers, *, te_trailers: bool = False) -> Headers:
         return headers
     if te_trailers:
         return [
-            (name, value)
-            for name, value in headers
-            if name not in drop or (name == b"te" and value.strip().lower() == b"trailers")
+            field
+            for field in headers
+            if field[0] not in drop or (field[0] == b"te" and field[1].strip().lower() == b"trailers")
         ]
-    return [(name, value) for name, value in headers if name not in drop]
+    return [field for field in headers if field[0] not in drop]
 
 
 __all__ = [

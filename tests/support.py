@@ -47,6 +47,7 @@ from blocks import (
     text_response,
 )
 from blocks._sync import one_error
+from blocks.observe import Metrics
 from blocks.store import RouteEvent
 from blocks.transport.streams import H2ConnectionStatistics
 
@@ -739,3 +740,26 @@ async def start_python(nursery: trio.Nursery, *args: str) -> tuple[trio.Process,
     )
     assert process.stdout is not None
     return process, Lines(process.stdout)
+
+
+async def held_chain(nursery: trio.Nursery, release: trio.Event, *, metered: bool = False, **proxy: Any) -> Chain:
+    """A chain (replica ``slow`` -> worker -> proxy -> edge) whose replica answers ``/hold`` once
+    ``release`` is set and anything else at once; ``metered``: every hop counts (``Metrics``);
+    ``proxy``: the proxy's options (``scheduler=``...)."""
+
+    async def hold(request: Request) -> Response:
+        if request.path == b"/hold":
+            await release.wait()
+        return text_response(200, "held\n")
+
+    def features() -> list[Any]:
+        return [Metrics()] if metered else []
+
+    async def build(chain: Chain) -> None:
+        local = {"slow": await chain.start_replica("slow", functools.partial(serve_http, hold))}
+        await chain.start_worker(local, features=features())
+        await chain.start_proxy(features=features(), **proxy)
+        await chain.start_edge(features=features())
+
+    chain: Chain = await nursery.start(serve_chain, build)
+    return chain

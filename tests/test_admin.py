@@ -10,9 +10,9 @@ import functools
 
 import httpx
 import trio
-from support import HOST, closed_port, wait_for
+from support import HOST, closed_port, held_chain, wait_for
 
-from blocks import Chain, HTTPServer, LocalReplica, Request, Response, serve_chain, serve_http, text_response
+from blocks import Chain, HTTPServer, LocalReplica, serve_chain
 from blocks.observe import Metrics, Observed, serve_admin
 
 
@@ -28,20 +28,8 @@ async def test_healthz_and_readyz_while_the_chain_runs_then_503_from_the_moment_
     nursery: trio.Nursery,
 ) -> None:
     release = trio.Event()
-
-    async def hold(request: Request) -> Response:
-        if request.path == b"/hold":
-            await release.wait()
-        return text_response(200, "held\n")
-
-    async def build(chain: Chain) -> None:
-        local = {"slow": await chain.start_replica("slow", functools.partial(serve_http, hold))}
-        await chain.start_worker(local)
-        await chain.start_proxy()
-        await chain.start_edge()
-
     with trio.fail_after(20):
-        chain: Chain = await nursery.start(serve_chain, build)
+        chain = await held_chain(nursery, release)
         admin = await chain.start_admin()
         # (over h1: h2 clients fail a stream in flight when a graceful GOAWAY comes)
         traffic = httpx.AsyncClient(trust_env=False)

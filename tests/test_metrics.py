@@ -22,18 +22,14 @@ import hyperframe.frame
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from support import HOST, RawFrames, closed_port, wait_for
+from support import HOST, RawFrames, closed_port, held_chain, wait_for
 
 from blocks import (
     Chain,
     HTTPServer,
     LocalReplica,
-    Request,
-    Response,
     SchedulerConfig,
     serve_chain,
-    serve_http,
-    text_response,
 )
 from blocks.mirror import MirrorConfig
 from blocks.observe import Metrics
@@ -185,21 +181,11 @@ async def test_tenants_are_the_busiest_ten_and_other(nursery: trio.Nursery) -> N
 
 async def test_a_full_queue_is_a_429_counted_for_its_tenant(nursery: trio.Nursery) -> None:
     release = trio.Event()
-
-    async def hold(request: Request) -> Response:
-        if request.path == b"/hold":
-            await release.wait()
-        return text_response(200, "ok\n")
-
-    async def build(chain: Chain) -> None:
-        local = {"slow": await chain.start_replica("slow", functools.partial(serve_http, hold))}
-        await chain.start_worker(local, features=[Metrics()])
-        policy = TenantPolicy(max_queued=0)
-        await chain.start_proxy(features=[Metrics()], scheduler=SchedulerConfig(budget=1, default_policy=policy))
-        await chain.start_edge(features=[Metrics()])
-
+    policy = TenantPolicy(max_queued=0)
     with trio.fail_after(15):
-        chain: Chain = await nursery.start(serve_chain, build)
+        chain = await held_chain(
+            nursery, release, metered=True, scheduler=SchedulerConfig(budget=1, default_policy=policy)
+        )
         admin = await chain.start_admin()
         async with h2_client() as client, trio.open_nursery() as inner:
             inner.start_soon(functools.partial(client.get, chain.url + "/hold", headers={"x-tenant": "alice"}))
@@ -219,20 +205,8 @@ async def test_a_request_that_waits_for_a_slot_is_counted_queued_and_its_depth_s
     nursery: trio.Nursery,
 ) -> None:
     release = trio.Event()
-
-    async def hold(request: Request) -> Response:
-        if request.path == b"/hold":
-            await release.wait()
-        return text_response(200, "ok\n")
-
-    async def build(chain: Chain) -> None:
-        local = {"slow": await chain.start_replica("slow", functools.partial(serve_http, hold))}
-        await chain.start_worker(local)
-        await chain.start_proxy(features=[Metrics()], scheduler=SchedulerConfig(budget=1))
-        await chain.start_edge()
-
     with trio.fail_after(15):
-        chain: Chain = await nursery.start(serve_chain, build)
+        chain = await held_chain(nursery, release, metered=True, scheduler=SchedulerConfig(budget=1))
         admin = await chain.start_admin()
         scheduler = chain.proxy.scheduler
         async with h2_client() as client, trio.open_nursery() as inner:

@@ -33,10 +33,10 @@ def forwarded_headers(request: Request, via: bytes, *, trust_forwarded: bool = F
     ``-accept``: each h1 leg makes its own.
     """
     drop_forwarded = not trust_forwarded
-    headers: Headers = [
-        (name, value)
-        for name, value in strip_hop_by_hop(request.headers, te_trailers=True)
-        if not (name.startswith(INTERNAL_PREFIX) or (drop_forwarded and name in _FORWARDED))
+    headers: Headers = [  # the fields themselves (a never-indexed one stays so)
+        field
+        for field in strip_hop_by_hop(request.headers, te_trailers=True)
+        if not (field[0].startswith(INTERNAL_PREFIX) or (drop_forwarded and field[0] in _FORWARDED))
     ]
     client = request.client.encode()
     if drop_forwarded:
@@ -52,7 +52,7 @@ def forwarded_headers(request: Request, via: bytes, *, trust_forwarded: bool = F
             headers.append((b"x-forwarded-for", client))
     headers.append((b"via", request.http_version.encode() + b" " + via))
     if request.protocol is not None:
-        headers = [(name, value) for name, value in headers if name not in KEY_FIELDS]
+        headers = [field for field in headers if field[0] not in KEY_FIELDS]
     return headers
 
 

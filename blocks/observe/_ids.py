@@ -12,7 +12,10 @@ back on the response, in place of whatever the upstream sent.
 Ids cost no syscall: a random 64-bit prefix drawn once per process (again
 in a forked child) and a per-process counter. A fresh request id is 32
 lowercase hex digits, and a trace this edge starts uses it as its trace-id,
-so the two can be matched in any log.
+so the two can be matched in any log. Both fields are sent never-indexed
+(as ``server-timing`` is): a value new with every request would only churn
+each connection's HPACK table, evicting the fields that repeat; every hop
+behind keeps them so (the codec hands them on as it got them).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+
+from hpack import NeverIndexedHeaderTuple
 
 from blocks.hops import Exchange, Feature
 from blocks.http import Headers
@@ -108,8 +113,8 @@ def _replace(headers: Headers, rid: bytes, tp: bytes) -> None:
         if name in _IDS:
             headers[:] = [field for field in headers if field[0] not in _IDS]
             break
-    headers.append((REQUEST_ID, rid))
-    headers.append((TRACEPARENT, tp))
+    headers.append(NeverIndexedHeaderTuple(REQUEST_ID, rid))
+    headers.append(NeverIndexedHeaderTuple(TRACEPARENT, tp))
 
 
 class RequestIds(Feature):

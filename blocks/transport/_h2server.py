@@ -240,7 +240,8 @@ class H2ServerConnection(H2Driver):
             )
         headers = request.headers
         length = None
-        for name, value in raw:
+        for field in raw:
+            name, value = field
             if name[0] == 58:  # b":"
                 if name == b":method":
                     request.method = value
@@ -255,7 +256,7 @@ class H2ServerConnection(H2Driver):
             else:
                 if name == b"content-length":
                     length = int(value)
-                headers.append((name, value))
+                headers.append(field)  # as decoded: a never-indexed field stays so on the next link
         return length
 
     def body_refused(self, st: H2Stream, end: bool, size: int) -> bool:
