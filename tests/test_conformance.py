@@ -17,6 +17,7 @@ the full chain recipe behind the edge.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,7 +37,9 @@ from hyperframe.frame import (
     RstStreamFrame,
     SettingsFrame,
 )
+from support import closed_port, wait_for
 
+from blocks import EdgeConfig, Exchange, Feature, Forward, serve_edge
 from recipes.chain import Chain
 
 HOST = "127.0.0.1"
@@ -580,6 +583,42 @@ async def test_5_4_1_connection_error_sends_goaway_then_closes(conn: Conn) -> No
         await conn.send(ping(b"x" * 6))
         goaway = await expect_goaway(conn, E.FRAME_SIZE_ERROR)
         assert goaway.last_stream_id == 1
+
+
+class Books(Feature):
+    """Counts the exchanges its hop dispatched, and those it closed."""
+
+    def __init__(self) -> None:
+        self.counts = {"dispatched": 0, "closed": 0}
+
+    def dispatched(self, exchange: Exchange, forward: Forward) -> None:
+        self.counts["dispatched"] += 1
+
+    def closed(self, exchange: Exchange) -> None:
+        self.counts["closed"] += 1
+
+
+# a request the edge decides on its fast path, then ended in the same read (each returns the frames)
+ENDED_BEFORE_ITS_HANDLER: dict[str, Callable[[Conn, int], list[bytes]]] = {
+    "reset-by-the-client": lambda conn, sid: [conn.headers(sid, conn.head(b"POST", b"/"), end_stream=False), rst(sid)],
+}
+
+
+@pytest.mark.parametrize("how", list(ENDED_BEFORE_ITS_HANDLER))
+async def test_a_request_ended_before_its_handler_ran_is_closed_at_its_hop(nursery: trio.Nursery, how: str) -> None:
+    # A request the edge decided on its fast path and left to a handler (it has no connection to the proxy
+    # yet), then ended in the same read, before the handler task ran: the hop gives back what it took for it.
+    books = Books()
+    config = EdgeConfig(proxy=(HOST, closed_port()))
+    with trio.fail_after(10):
+        edge = await nursery.start(functools.partial(serve_edge, config, features=[books]))
+        async with await trio.open_tcp_stream(HOST, edge.port) as stream:
+            conn = Conn(stream, edge.port)
+            await conn.handshake()
+            sid = conn.next_stream_id()
+            await conn.send(*ENDED_BEFORE_ITS_HANDLER[how](conn, sid))
+            await wait_for(lambda: books.counts == {"dispatched": 1, "closed": 1}, lambda: repr(books.counts))
+        await edge.aclose()
 
 
 # -- RFC 9113 5.5: extending HTTP/2 ---------------------------------------------------------------------

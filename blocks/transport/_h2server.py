@@ -443,6 +443,10 @@ class H2ServerConnection(H2Driver):
             with trio.CancelScope() as scope:
                 st.cancel_scope = scope
                 if st.closed:
+                    # Reset before its task ran (by the client, in the read that brought its head): the
+                    # handler will never hear of it, so what a hop's fast path decided for it is given back here.
+                    if request.exchange is not None:
+                        request.exchange.closed()
                     return
                 if error is not None:
                     response = error_response(error.status, error.headers, hop=self.config.hop)
