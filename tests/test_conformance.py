@@ -1008,9 +1008,12 @@ MALFORMED_HEADS: dict[str, Edit] = {
     "uppercase-field-name": lambda head: [*head, (b"X-Upper", b"1")],
     # 8.3: pseudo-header fields MUST come before regular fields.
     "pseudo-header-after-regular": lambda head: [*head[:3], (b"x-regular", b"1"), head[3]],
-    # 8.3: pseudo-headers not defined for requests MUST NOT appear.
+    # 8.3: pseudo-headers not defined for requests MUST NOT appear; h2 would take a 1xx :status among the
+    # pseudo-headers for an informational response (a connection error there).
     "unknown-pseudo-header": lambda head: [*head, (b":unknown", b"x")],
     "response-pseudo-header": lambda head: [*head, (b":status", b"200")],
+    "informational-status-first": lambda head: [(b":status", b"100"), *head],
+    "informational-status-among-pseudo": lambda head: [*head, (b":status", b"103")],
     # 8.3.1: :method, :scheme and :path MUST be present (non-CONNECT), exactly once; :path not empty.
     "missing-method": _without(b":method"),
     "missing-scheme": _without(b":scheme"),
@@ -1095,11 +1098,14 @@ async def test_8_1_1_content_length_not_matching_data(conn: Conn, case: str, pat
 
 # trailers, and whether their HEADERS frame ends the stream
 MALFORMED_TRAILERS: dict[str, tuple[Headers, bool]] = {
-    # 8.1: trailers MUST NOT include pseudo-header fields.
+    # 8.1: trailers MUST NOT include pseudo-header fields; h2 takes a 1xx :status for an informational response.
     "pseudo-header": ([(b":method", b"POST"), (b"x-trailer", b"1")], True),
+    "informational-status": ([(b":status", b"100")], True),
     # 8.2.1, 8.2.2: the field rules of a head apply to trailers too.
     "uppercase-name": ([(b"X-Trailer", b"1")], True),
     "connection-specific": ([(b"connection", b"close")], True),
+    # 8.1: a HEADERS frame after the head MUST end the stream.
+    "informational-without-end-stream": ([(b":status", b"103")], False),
 }
 
 
@@ -1120,22 +1126,20 @@ async def test_8_1_malformed_trailers(conn: Conn, case: str, path: str) -> None:
         await expect_ok(conn)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GOAWAY(PROTOCOL_ERROR), a connection error raised by h2's stream state machine; the other streams "
-    "are lost where 8.1.1 asks for a stream error",
-)
-async def test_8_1_trailers_without_end_stream(conn: Conn) -> None:
+@pytest.mark.parametrize("path", PATHS)
+async def test_8_1_trailers_without_end_stream(conn: Conn, path: str) -> None:
     # 8.1: a HEADERS frame after the request head that does not carry END_STREAM makes the request
-    # malformed (stream error of type PROTOCOL_ERROR).
+    # malformed: a stream error, where h2's stream state machine would fail the connection.
     with trio.fail_after(10):
+        await take_path(conn, path)
         sid = conn.next_stream_id()
         await conn.send(
-            conn.headers(sid, conn.head(b"POST", b"/echo"), end_stream=False),
+            conn.headers(sid, conn.head(b"POST", SLOW), end_stream=False),
             frame(DATA, 0, sid, b"body"),
             conn.headers(sid, [(b"x-trailer", b"1")], end_stream=False),
         )
-        await expect_malformed(conn, sid)
+        response = await expect_malformed(conn, sid)
+        assert response.status == 400 and spliced(response) == (path == "spliced"), response
         await expect_ok(conn)
 
 
@@ -1151,6 +1155,7 @@ LATE: dict[str, Callable[[Conn, int], bytes]] = {
     "an-end-short-of-the-length": lambda conn, sid: frame(DATA, END_STREAM, sid, b""),
     "trailers-short-of-the-length": lambda conn, sid: conn.headers(sid, [(b"x-trailer", b"1")]),
     "trailers-with-a-pseudo-header": lambda conn, sid: conn.headers(sid, [(b":path", b"/")]),
+    "trailers-without-end-stream": lambda conn, sid: conn.headers(sid, [(b"x-trailer", b"1")], end_stream=False),
 }
 
 
@@ -1194,6 +1199,10 @@ MALFORMED_BESIDE: dict[str, Callable[[Conn, int], list[bytes]]] = {
     "length": lambda conn, sid: [
         conn.headers(sid, conn.head(b"POST", SLOW, (b"content-length", b"1")), end_stream=False),
         frame(DATA, END_STREAM, sid, b"too long"),
+    ],
+    "trailers-without-end-stream": lambda conn, sid: [
+        conn.headers(sid, conn.head(b"POST", SLOW), end_stream=False),
+        conn.headers(sid, [(b"x-trailer", b"1")], end_stream=False),
     ],
 }
 
@@ -1265,7 +1274,7 @@ _VALUE = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size
 _CONNECTION_SPECIFIC = [b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"]
 _SPECIAL = {*_CONNECTION_SPECIFIC, b"te", b"host", b"content-length"}
 _FIELDS = st.lists(st.tuples(_TOKEN.filter(lambda name: name not in _SPECIAL), _VALUE), max_size=5)
-_REQUEST_PSEUDO = {b"method", b"scheme", b"authority", b"path", b"protocol", b"status"}
+_REQUEST_PSEUDO = {b"method", b"scheme", b"authority", b"path", b"protocol"}
 
 
 @attrs.frozen
@@ -1313,7 +1322,7 @@ HEAD_CORRUPTIONS = [
     "missing-pseudo-header",
     "repeated-pseudo-header",
 ]
-BODY_CORRUPTIONS = ["content-length-mismatch", "malformed-trailers"]
+BODY_CORRUPTIONS = ["content-length-mismatch", "malformed-trailers", "trailers-without-end-stream"]
 
 
 @st.composite
@@ -1334,8 +1343,8 @@ def malformed_heads(draw: st.DrawFn, kind: str) -> Malformed:
     elif kind == "unknown-pseudo-header":
         name = draw(_TOKEN.filter(lambda name: name not in _REQUEST_PSEUDO))
         head = insert((b":" + name, draw(_VALUE)), 0, 4)
-    elif kind == "response-pseudo-header":
-        head = insert((b":status", b"%d" % draw(st.integers(200, 599))), 0, 4)
+    elif kind == "response-pseudo-header":  # a 1xx among the pseudo-headers included
+        head = insert((b":status", b"%d" % draw(st.integers(100, 599))), 0, 4)
     elif kind == "pseudo-header-after-regular":
         if len(head) == 4:
             head.append((b"x-regular", b"1"))
@@ -1360,8 +1369,8 @@ def malformed_heads(draw: st.DrawFn, kind: str) -> Malformed:
 @st.composite
 def malformed_bodies(draw: st.DrawFn, kind: str) -> Malformed:
     """A well-formed head (to a replica that would answer late: nothing comes back before the edge's answer),
-    then a body that disagrees with its content-length, or malformed trailers (``kind``, one of
-    :data:`BODY_CORRUPTIONS`)."""
+    then a body that disagrees with its content-length, malformed trailers, or trailers that do not end it
+    (``kind``, one of :data:`BODY_CORRUPTIONS`)."""
     head = draw(good_heads(SLOW))
     if kind == "content-length-mismatch":
         sizes = draw(st.lists(st.integers(0, 20), max_size=3))
@@ -1371,10 +1380,13 @@ def malformed_bodies(draw: st.DrawFn, kind: str) -> Malformed:
     data = tuple(b"x" * size for size in draw(st.lists(st.integers(0, 20), max_size=3)))
     if draw(st.booleans()):
         head = [*head, (b"content-length", b"%d" % sum(map(len, data)))]
+    if kind == "trailers-without-end-stream":
+        return Malformed(kind, head, data, draw(_FIELDS), trailers_end=False)
     bad = draw(
         st.sampled_from(
             [
-                (b":" + draw(_TOKEN.filter(lambda name: name != b"status")), draw(_VALUE)),
+                (b":" + draw(_TOKEN), draw(_VALUE)),
+                (b":status", b"1%02d" % draw(st.integers(0, 99))),
                 (b"X-" + draw(_TOKEN), draw(_VALUE)),
                 (draw(st.sampled_from(_CONNECTION_SPECIFIC)), draw(_VALUE)),
             ]

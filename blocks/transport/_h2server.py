@@ -296,8 +296,13 @@ class H2ServerConnection(H2Driver):
     def _on_trailers(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None:
+            if ev.stream_ended is None:  # the codec left it open for us (see malformed)
+                with contextlib.suppress(ProtocolError):
+                    self.h2.reset_stream(ev.stream_id, _PROTOCOL_ERROR)
             return
         try:
+            if ev.stream_ended is None:
+                raise BadRequest("a HEADERS frame after the request head without END_STREAM")
             validate_trailers(ev.headers)
             if st.expected is not None and st.received != st.expected:
                 raise _length_mismatch(st.received, st.expected)
@@ -315,10 +320,11 @@ class H2ServerConnection(H2Driver):
         head (:func:`validate_request_head`'s 400s, or END_STREAM on a head
         whose ``content-length`` promises a body), a body that disagrees with
         its ``content-length`` (DATA past it, or an end short of it), its
-        trailers (:func:`validate_trailers`, or a body short of its length).
-        The path it took: none yet (its head), a handler, which is cancelled
-        as if the client had reset the stream, or a splice, whose upstream
-        stream is cancelled.
+        trailers (:func:`validate_trailers`, or a body short of its length),
+        a HEADERS frame after its head without END_STREAM (the codec reports
+        it as trailers whose ``stream_ended`` is None). The path it took:
+        none yet (its head), a handler, which is cancelled as if the client
+        had reset the stream, or a splice, whose upstream stream is cancelled.
         Nothing of it goes further: the frame that made it malformed is not
         relayed, the request body fails for whoever reads it, and what a hop
         behind already has is cancelled.
