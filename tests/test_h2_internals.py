@@ -12,9 +12,14 @@ import inspect
 import h2
 import h2.config
 import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
 import h2.frame_buffer
 import h2.stream
 import h2.windows
+import hpack
+import hyperframe.frame
 import pytest
 import trio
 import trio.testing
@@ -115,3 +120,91 @@ def test_every_event_the_drivers_handle_is_mapped_to_its_kind() -> None:
     kinds = H2Codec.event_kinds
     assert all(isinstance(cls, type) and issubclass(cls, h2.events.Event) for cls in kinds)
     assert len(set(kinds.values())) == len(kinds), "one h2 event class per kind"
+
+
+def _client_frames(*blocks: tuple[int, list[tuple[bytes, bytes]], bool]) -> bytes:
+    """A client's preface, then one HEADERS frame per ``(stream, fields, END_STREAM)``, as sent: unchecked."""
+    encoder = hpack.Encoder()
+    data = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + hyperframe.frame.SettingsFrame(0).serialize()
+    for sid, fields, end in blocks:
+        flags = ["END_HEADERS", "END_STREAM"] if end else ["END_HEADERS"]
+        data += hyperframe.frame.HeadersFrame(sid, encoder.encode(fields), flags=flags).serialize()
+    return data
+
+
+def test_a_malformed_requests_headers_frame_is_its_streams_error_on_a_validating_server() -> None:
+    where = "blocks/transport/_codec.py (_LengthUncheckedStream.receive_headers)"
+    receive = relied_on(h2.stream.H2Stream, "receive_headers", where)
+    assert list(inspect.signature(receive).parameters) == ["self", "headers", "end_stream", "header_encoding"]
+    machine = h2.stream.H2StreamStateMachine(1)
+    assert machine.state is h2.stream.StreamState.IDLE and not machine.headers_received, where
+    limits = {"max_concurrent_streams": 10, "stream_window": 65535, "max_header_list_size": 65536}
+    head = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")]
+    malformed = {
+        "trailers without END_STREAM": [(1, head, False), (1, [(b"x-trailer", b"1")], False)],
+        "trailers h2 takes for an informational response": [(1, head, False), (1, [(b":status", b"103")], False)],
+        "a head h2 takes for an informational response": [(1, [(b":status", b"100"), *head], True)],
+    }
+    # What the patch is for: h2 makes each of these a connection error.
+    for what, blocks in malformed.items():
+        with pytest.raises(h2.exceptions.ProtocolError):
+            make_h2(client_side=False, **limits).receive_data(_client_frames(*blocks))
+            pytest.fail(f"h2 {h2.__version__} no longer fails the connection for {what}")
+    # What it makes of them on a validating server's connection: events of the stream, the stream left
+    # open (a 400 can go, then the reset), the connection going on.
+    codec = make_h2(client_side=False, check_lengths=False, **limits)
+    codec.initiate_connection()
+    events = codec.receive_data(
+        _client_frames(
+            (1, head, False),
+            (1, [(b"x-trailer", b"1")], False),
+            (3, head, False),
+            (3, [(b":status", b"103")], False),
+            (5, [(b":status", b"100"), *head], True),
+            (7, head, True),
+        )
+    )
+    kinds = [(type(ev).__name__, ev.stream_id) for ev in events if hasattr(ev, "stream_id")]
+    assert kinds == [
+        ("RequestReceived", 1),
+        ("TrailersReceived", 1),
+        ("RequestReceived", 3),
+        ("TrailersReceived", 3),
+        ("RequestReceived", 5),
+        ("StreamEnded", 5),
+        ("RequestReceived", 7),
+        ("StreamEnded", 7),
+    ], kinds
+    trailers = [ev for ev in events if isinstance(ev, h2.events.TrailersReceived)]
+    assert [(ev.headers, ev.stream_ended) for ev in trailers] == [
+        ([(b"x-trailer", b"1")], None),
+        ([(b":status", b"103")], None),
+    ]
+    request = next(ev for ev in events if isinstance(ev, h2.events.RequestReceived) and ev.stream_id == 5)
+    assert request.headers[0] == (b":status", b""), "a :status that h2 would take for a 1xx is emptied"
+    for sid in (1, 3, 5):
+        codec.send_headers(sid, [(b":status", b"400")])
+        codec.send_data(sid, b"why")
+        codec.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+    assert not any(codec.stream_is_open(sid) for sid in (1, 3, 5))
+    assert codec.stream_is_open(7)
+    # A HEADERS frame on a stream whose remote side has ended stays h2's own stream error (STREAM_CLOSED).
+    block = hpack.Encoder().encode([(b"x", b"1")])
+    events = codec.receive_data(hyperframe.frame.HeadersFrame(7, block, flags=["END_HEADERS"]).serialize())
+    assert [(type(ev).__name__, ev.error_code) for ev in events] == [
+        ("StreamReset", h2.errors.ErrorCodes.STREAM_CLOSED)
+    ]
+    sent = memoryview(codec.data_to_send())
+    kinds = []
+    while sent:
+        frame, length = hyperframe.frame.Frame.parse_frame_header(sent[:9])
+        frame.parse_body(sent[9 : 9 + length])
+        sent = sent[9 + length :]
+        kinds.append((type(frame).__name__, frame.stream_id))
+    assert ("GoAwayFrame", 0) not in kinds, kinds
+    assert [kind for kind in kinds if kind[0] == "RstStreamFrame"] == [
+        ("RstStreamFrame", 1),
+        ("RstStreamFrame", 3),
+        ("RstStreamFrame", 5),
+        ("RstStreamFrame", 7),
+    ]

@@ -32,7 +32,8 @@ was with h2 alone. The attributes a handler reads, per kind:
   ``stream_ended`` (None unless the frame ended the stream);
 - ``DATA``: ``data`` (bytes), ``flow_controlled_length`` (int, padding
   included: the amount to acknowledge), ``stream_ended``;
-- ``TRAILERS``: ``headers``;
+- ``TRAILERS``: ``headers``, ``stream_ended`` (None for a HEADERS frame
+  after a request head that did not end the stream: see below);
 - ``STREAM_ENDED``: nothing more (it follows the event that ended the stream);
 - ``RESET``: ``error_code`` (an int, one of :data:`ErrorCodes`);
 - ``WINDOW_UPDATED``: ``stream_id`` 0 for the connection's window;
@@ -47,7 +48,14 @@ A codec also:
 - uses the RFC 9113 error codes (:data:`ErrorCodes`, an ``IntEnum``);
 - never validates or normalises header fields (the edge validates request
   heads once, :mod:`blocks.transport._validate`), and leaves a request's
-  ``content-length`` to the listener when asked (``check_lengths=False``);
+  ``content-length`` to the listener when asked (``check_lengths=False``, a
+  validating listener's);
+- on a validating listener's connection, never fails the connection for
+  what makes one request malformed (RFC 9113 8.1.1): a HEADERS frame after
+  the request head without END_STREAM is reported as ``TRAILERS`` with
+  ``stream_ended`` None, the stream left open for the listener to reset,
+  and a request head is a ``REQUEST`` whatever its pseudo-headers say (a
+  ``:status`` among them included);
 - sends a field given as an ``hpack.NeverIndexedHeaderTuple`` (``server-timing``,
   made in :mod:`blocks.timing`) never-indexed, and literals without Huffman
   coding unless asked (``huffman``);
@@ -60,8 +68,10 @@ A codec also:
 - keeps the inbound window books: ``inbound_books()`` is ``(window, unacknowledged)``.
 
 The hyper-h2 codec patches h2 internals for all that (a class swap on new
-streams, the frame buffer's header parsing, the connection state machine's
-transitions and state, the inbound window manager's books):
+streams, whose class overrides h2's content-length checks and catches its
+stream state machine's errors on HEADERS, the frame buffer's header parsing,
+the connection state machine's transitions and state, the inbound window
+manager's books):
 ``tests/test_h2_internals.py`` checks that each one is still there and
 still means what it meant, and ``pyproject.toml`` pins h2 to the minor
 release they were checked against.
@@ -303,12 +313,14 @@ _CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
 
 
 class _LengthUncheckedStream(h2.stream.H2Stream):
-    """An h2 stream that leaves ``content-length`` to proxyblocks.
+    """An h2 stream of a validating listener: what makes a request malformed is an error of its stream.
 
     h2 checks a request's ``content-length`` against its DATA itself, and a
     mismatch or a malformed value fails the whole connection; RFC 9113 8.1.1
     makes it an error of that stream alone. A validating listener checks it
     per stream instead (``H2ServerConnection``), on streams of this class.
+    So it does for the HEADERS frames h2's stream state machine would fail
+    the connection for (:meth:`receive_headers`).
     """
 
     def _initialize_content_length(self, headers: Any) -> None:
@@ -316,6 +328,48 @@ class _LengthUncheckedStream(h2.stream.H2Stream):
 
     def _track_content_length(self, length: int, end_stream: bool) -> None:
         pass
+
+    def receive_headers(self, headers: Any, end_stream: bool, header_encoding: Any) -> Any:
+        """h2's, except that a malformed request's HEADERS frame is left to the listener (RFC 9113 8.1.1).
+
+        h2 raises a connection error for a HEADERS frame after the request
+        head without END_STREAM ("trailers must end the stream"), and for a
+        block whose pseudo-headers carry a ``:status`` 1xx, which it takes
+        for an informational response (in a request head or in trailers).
+        Both make the request malformed: a stream error. So, with h2's
+        stream state put back where it was (the remote side still open):
+
+        - after the head, the frame is reported as trailers whose
+          ``stream_ended`` is None (it did not end the stream, and no
+          StreamEnded follows); the listener resets the stream;
+        - a request head is taken as a request, its ``:status`` emptied
+          so that h2 sees no informational response; validation refuses
+          it for the ``:status`` (a response pseudo-header).
+
+        A HEADERS frame on a stream whose remote side is closed stays h2's
+        own stream error (STREAM_CLOSED). The common path pays a call and
+        the read of the stream's state.
+        """
+        machine = self.state_machine
+        state = machine.state
+        try:
+            return super().receive_headers(headers, end_stream, header_encoding)
+        except h2.exceptions.StreamClosedError:
+            raise
+        except h2.exceptions.ProtocolError:
+            if state not in _REMOTE_OPEN:
+                raise
+            machine.state = state  # (h2 moved it to CLOSED on some of these)
+        if machine.headers_received:
+            return [], [h2.events.TrailersReceived(stream_id=self.stream_id, headers=list(headers))]
+        neutral = [(name, b"") if name == b":status" else (name, value) for name, value in headers]
+        return super().receive_headers(neutral, end_stream, header_encoding)
+
+
+# Where a HEADERS frame h2 refuses is the stream's error, not the connection's (see receive_headers).
+_REMOTE_OPEN = frozenset(
+    {h2.stream.StreamState.IDLE, h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL}
+)
 
 
 class H2Codec(h2.connection.H2Connection):
@@ -367,7 +421,7 @@ class H2Codec(h2.connection.H2Connection):
 class _LengthUncheckedCodec(H2Codec):
     def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> h2.stream.H2Stream:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
-        stream.__class__ = _LengthUncheckedStream  # same layout; only the two checks differ
+        stream.__class__ = _LengthUncheckedStream  # same layout; only its overrides differ
         return stream
 
 
@@ -401,7 +455,11 @@ def make_h2(
     h2's own header validation costs more than the rest of a hop's work and
     turns a malformed request into a connection error. Proxyblocks validates
     request heads once, at the edge, in :mod:`blocks.transport._validate` (a stream
-    error, 400); every other hop only hears from a hop that did.
+    error); every other hop only hears from a hop that did.
+    ``check_lengths=False`` (a validating server) leaves ``content-length``
+    to the listener, and reports the HEADERS frames of a malformed request
+    that h2 would fail the connection for as the stream's events
+    (``_LengthUncheckedStream.receive_headers``).
     ``connect_protocol`` (servers) advertises ``SETTINGS_ENABLE_CONNECT_PROTOCOL``
     (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.
     ``outlive_goaway`` (clients) keeps the connection open through a GOAWAY

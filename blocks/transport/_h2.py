@@ -115,7 +115,7 @@ class H2Stream(Wire):
     def __init__(self, stream_id: int) -> None:
         self.id = stream_id
         self.body: StreamBody | None = None  # inbound body, fed by the reader
-        self.head: Any = None  # client: the response head once it arrived
+        self.head: Any = None  # client: the response head once it arrived; server: the one being sent
         self.error: BaseException | None = None  # client: why no head will come
         self.signal: Signal | None = None  # client: woken when the head arrives or the stream dies
         self.window: Signal | None = None  # woken when send window may have opened

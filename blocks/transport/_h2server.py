@@ -6,6 +6,11 @@ cancel scope: a RST_STREAM from the client cancels exactly that handler,
 and whatever the handler holds (an upstream stream, a slot) is released by
 its own cleanup.
 
+A malformed request (validating listeners) is an error of its stream
+alone, ended in one place, :meth:`H2ServerConnection.malformed`: a 400
+without END_STREAM if no response started, then RST_STREAM(PROTOCOL_ERROR),
+whatever made it malformed and whatever path it took.
+
 Drain: GOAWAY(2^31-1) at once, so the client stops opening streams; after
 ``drain_goaway_delay`` a second GOAWAY names the last stream we will serve,
 and later streams are refused; the connection closes when the last stream
@@ -20,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
-from blocks.http import Handler, Request, Response, abandon, empty_body, error_response, respond
+from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset, error_field
+from blocks.fields import ERROR_HEADER
+from blocks.http import BytesBody, Handler, Request, Response, abandon, empty_body, error_response, respond
 from blocks.timing import Timing
 from blocks.transport._codec import ErrorCodes, EventKind, GuardedFrameBuffer, ProtocolError, make_h2
 from blocks.transport._h2 import H2Driver, H2Stream, Relay, acknowledge, flush_marked
@@ -215,8 +221,12 @@ class H2ServerConnection(H2Driver):
             st.body_deadline = trio.current_time() + self.config.request_body_timeout
         if ended and length and error is None and self.config.validate:
             error = BadRequest(f"no body, where content-length declares {length} bytes")
-        if error is None and self.relay is not None and self.relay(request, self, st, ended):
-            return  # spliced: frames are relayed by the readers from now on
+        if error is None:
+            if self.relay is not None and self.relay(request, self, st, ended):
+                return  # spliced: frames are relayed by the readers from now on
+        elif error.status == 400:  # the listener's own 400s are malformed requests (RFC 9113 8.1.1)
+            self.malformed(st, error)
+            return
         if not ended:
             request.body = self.new_inbound_body(st, length)
         assert self._nursery is not None
@@ -227,7 +237,7 @@ class H2ServerConnection(H2Driver):
 
         Internal hops trust their peer and only split the list; the edge
         validates everything here, so a malformed request is a stream error
-        (400) that leaves the connection's other streams alone.
+        (:meth:`malformed`) that leaves the connection's other streams alone.
         """
         config = self.config
         if config.validate:
@@ -267,13 +277,16 @@ class H2ServerConnection(H2Driver):
             return True
         expected = st.expected
         if expected is not None and (received > expected or (end and received != expected)):
-            # Malformed (RFC 9113 8.1.1), and never relayed: a hop behind us would see it too.
-            self._refuse_body(st, size, _length_mismatch(received, expected))
+            # Malformed, and never relayed: a hop behind us would see it too.
+            if size:
+                acknowledge(self.h2, size, st.id)
+            self.malformed(st, _length_mismatch(received, expected))
             return True
         return False
 
     def _refuse_body(self, st: H2Stream, size: int, error: StreamReset) -> None:
-        """Stop ``st``'s request body here: 413 or 400 downstream if no response started, else a reset."""
+        """Stop ``st``'s request body here (over the limit, too slow): ``error``'s status downstream if no
+        response started, else a reset."""
         if size:
             acknowledge(self.h2, size, st.id)
         if st.splice is not None:
@@ -282,20 +295,76 @@ class H2ServerConnection(H2Driver):
             st.body.fail(error)
 
     def _on_trailers(self, ev: Any) -> None:
-        try:
-            validate_trailers(ev.headers)
-        except BlocksError as exc:
-            # Malformed (RFC 9113 8.1.1): a stream error; the relay, if any, is cancelled with it.
-            st = self.streams.get(ev.stream_id)
-            log.debug("malformed trailers from %s: %s", self.client, exc)
-            if st is not None:
-                self.reset(st, _PROTOCOL_ERROR)
-            return
         st = self.streams.get(ev.stream_id)
-        if st is not None and st.expected is not None and st.received != st.expected:
-            self._refuse_body(st, 0, _length_mismatch(st.received, st.expected))
+        if st is None:
+            if ev.stream_ended is None:  # the codec left it open for us (see malformed)
+                with contextlib.suppress(ProtocolError):
+                    self.h2.reset_stream(ev.stream_id, _PROTOCOL_ERROR)
+            return
+        try:
+            if ev.stream_ended is None:
+                raise BadRequest("a HEADERS frame after the request head without END_STREAM")
+            validate_trailers(ev.headers)
+            if st.expected is not None and st.received != st.expected:
+                raise _length_mismatch(st.received, st.expected)
+        except BlocksError as exc:
+            self.malformed(st, exc)
             return
         self.on_trailers(ev)
+
+    def malformed(self, st: H2Stream, error: BlocksError) -> None:
+        """End a malformed request's stream (RFC 9113 8.1.1): a 400 if none started, then RST_STREAM(PROTOCOL_ERROR).
+
+        Invariant: a malformed request's stream ends with RST_STREAM(PROTOCOL_ERROR)
+        at the edge, whatever made it malformed and whatever path it took. This
+        is the one place that ends one. What makes a request malformed: its
+        head (:func:`validate_request_head`'s 400s, or END_STREAM on a head
+        whose ``content-length`` promises a body), a body that disagrees with
+        its ``content-length`` (DATA past it, or an end short of it), its
+        trailers (:func:`validate_trailers`, or a body short of its length),
+        a HEADERS frame after its head without END_STREAM (the codec reports
+        it as trailers whose ``stream_ended`` is None). The path it took:
+        none yet (its head), a handler, which is cancelled as if the client
+        had reset the stream, or a splice, whose upstream stream is cancelled.
+        Nothing of it goes further: the frame that made it malformed is not
+        relayed, the request body fails for whoever reads it, and what a hop
+        behind already has is cancelled.
+
+        Unless the response head already went, a 400 goes first, saying why
+        (``proxyblocks-error: bad_request; hop=NAME``), without END_STREAM: the
+        reset, not the 400, ends the stream. Its body goes if the stream's send
+        window takes it now; else the head alone.
+        """
+        if st.closed or self.closed:
+            return
+        log.debug("malformed request from %s on stream %d: %s", self.client, st.id, error)
+        hop = self.config.hop
+        splice = st.splice
+        answer: Response | None = None
+        if splice is not None:
+            reason = BadRequest.error_reason
+            why = error_field(reason, hop) if hop is not None else (ERROR_HEADER, reason.encode())
+            answer = splice.malformed([why])
+        elif st.head is None:
+            answer = error_response(400, hop=hop)
+        body = st.body
+        if body is not None:
+            body.fail(error if isinstance(error, StreamReset) else StreamReset(str(error), status=400))
+        if answer is not None:
+            self._send_malformed_answer(st, answer)
+        self.reset(st, _PROTOCOL_ERROR)
+
+    def _send_malformed_answer(self, st: H2Stream, answer: Response) -> None:
+        """``answer``'s head, and its body if the windows take it now, neither with END_STREAM."""
+        conn = self.h2
+        data = answer.body.data if isinstance(answer.body, BytesBody) else b""
+        try:
+            conn.send_headers(st.id, [(b":status", _STATUS[answer.status]), *answer.headers])
+            if data and len(data) <= min(conn.local_flow_control_window(st.id), conn.max_outbound_frame_size):
+                conn.send_data(st.id, data)
+                st.sent += len(data)
+        except ProtocolError:
+            pass  # the reset that follows ends the stream all the same
 
     def _on_reset(self, ev: Any) -> None:
         if ev.stream_id in self.streams:
@@ -444,6 +513,10 @@ class H2ServerConnection(H2Driver):
             with trio.CancelScope() as scope:
                 st.cancel_scope = scope
                 if st.closed:
+                    # Reset (by the client, or as malformed) before its task ran: the handler will
+                    # never hear of it, so what a hop's fast path decided for it is given back here.
+                    if request.exchange is not None:
+                        request.exchange.closed()
                     return
                 if error is not None:
                     response = error_response(error.status, error.headers, hop=self.config.hop)
@@ -498,6 +571,7 @@ class H2ServerConnection(H2Driver):
         headers = [(b":status", _STATUS[response.status])]
         headers += response.headers
         body = response.body
+        st.head = headers  # the response has started: a malformed request's stream is only reset from now on
         try:
             if body.ended and not body.trailers:
                 self.h2.send_headers(st.id, headers, end_stream=True)

@@ -24,7 +24,10 @@ Invariants:
 - A splice ends exactly once (``on_close`` runs once): when both directions
   delivered their end, or when either side fails. A failure on one side
   resets the other; an upstream failure before the response head becomes an
-  error response (502, or 504 for a timeout) instead.
+  error response (502, or 504 for a timeout) instead. A request the listener
+  finds malformed (a body that disagrees with its ``content-length``, bad
+  trailers) cancels the upstream stream and goes no further; the listener
+  ends the downstream stream (:meth:`Splice.malformed`).
 - An upstream that ends its response and then resets with ``NO_ERROR``
   (RFC 9113 8.1: it answered early and wants no more of the request) has
   not failed: what it sent is delivered in full, then the downstream
@@ -45,7 +48,7 @@ import trio
 
 from blocks.errors import BlocksError
 from blocks.fields import ERROR_HEADER
-from blocks.http import BytesBody, Headers, error_response
+from blocks.http import BytesBody, Headers, Response, error_response
 from blocks.transport._codec import ErrorCodes, ProtocolError
 from blocks.transport._h2 import BACKLOG_HIGH, acknowledge
 
@@ -367,6 +370,23 @@ class Splice:
         self._answer(status, BlocksError(status=status).error_reason)
         self._close()
 
+    def malformed(self, headers: Headers) -> Response | None:
+        """The request is malformed: cancel the upstream stream; the 400 to send downstream, if any.
+
+        Only the listener calls it (``H2ServerConnection.malformed``, the one
+        place that ends a malformed request's stream, which then sends the
+        400 and the RST_STREAM). ``headers`` say why (``proxyblocks-error``);
+        the 400's head goes through ``head_filter``. None once the response
+        head went: then the reset alone ends the stream.
+        """
+        if self.closed:
+            return None
+        self.closed = True
+        self.up.reset(self.response.src_st, _CANCEL)
+        answer = None if self.head_sent else self._error(400, headers)
+        self._close()
+        return answer
+
     # -- internals ---------------------------------------------------------------------
 
     def _answered_early(self) -> None:
@@ -406,10 +426,7 @@ class Splice:
         if self.head_sent:
             down.reset(st, _CANCEL)
             return
-        headers: Headers = [(ERROR_HEADER, reason.encode())]
-        if self.head_filter is not None:
-            headers = self.head_filter(status, headers) or headers
-        response = error_response(status, headers)
+        response = self._error(status, [(ERROR_HEADER, reason.encode())])
         assert isinstance(response.body, BytesBody)
         head = [(b":status", _STATUS[response.status]), *response.headers]
         try:
@@ -425,6 +442,12 @@ class Splice:
             down.finish_stream(st)
         else:
             down.reset(st, _NO_ERROR)
+
+    def _error(self, status: int, headers: Headers) -> Response:
+        """This hop's error answer in place of the upstream's, its head through ``head_filter``."""
+        if self.head_filter is not None:
+            headers = self.head_filter(status, headers) or headers
+        return error_response(status, headers)
 
     def _abort(self) -> None:
         if self.closed:

@@ -8,6 +8,10 @@ before any regular field, no connection-specific fields, ``te`` only as
 ASCII, and one canonical lowercase authority that ``host`` (when present)
 agrees with. Every failure is a :class:`~blocks.errors.BadRequest` (400,
 or 431 for a head over the size or field-count cap) for that request alone.
+A 400 means the request is malformed (RFC 9113 8.1.1): the h2 listener ends
+its stream with RST_STREAM(PROTOCOL_ERROR), after the 400
+(``H2ServerConnection.malformed``); so it does for trailers that fail
+:func:`validate_trailers`.
 
 The HTTP/1.1 side (``blocks.transport._h1server``) shares the caps and the authority
 rule; h11 checks the rest of its syntax.
