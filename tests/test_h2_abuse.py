@@ -102,6 +102,44 @@ async def test_rapid_reset_is_cut_off_long_before_the_replica_sees_500(nursery: 
         await still_serves(chain.port)
 
 
+@pytest.mark.parametrize("share", [0.1, 0.6])
+async def test_resets_provoked_by_malformed_requests_count_as_the_clients(nursery: trio.Nursery, share: float) -> None:
+    """ "MadeYouReset" (CVE-2025-8671): requests the edge must reset as malformed free their stream slots as the
+    client's own resets would, so they count against ``max_client_resets`` the same way, by their share."""
+    with trio.fail_after(20):
+        server = await listener(nursery, max_client_resets=10)
+        goaway: hf.GoAwayFrame | None = None
+        reset: set[int] = set()
+        async with RawFrames.open(server.port) as raw:
+            sid = 1
+            for _ in range(15):
+                frames: list[hf.Frame] = []
+                for i in range(20):
+                    malformed = i < round(20 * share)
+                    extra = [(b"connection", b"close")] if malformed else []  # connection-specific: malformed
+                    frames.append(hf.HeadersFrame(sid, raw.block(b"/", *extra), flags=["END_HEADERS", "END_STREAM"]))
+                    sid += 2
+                if not await raw.send(*frames):
+                    break
+                while goaway is None:
+                    frame = await raw.next_frame()
+                    if frame is None or isinstance(frame, hf.GoAwayFrame):
+                        goaway = frame if isinstance(frame, hf.GoAwayFrame) else None
+                        break
+                    if isinstance(frame, hf.RstStreamFrame):
+                        assert frame.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
+                        reset.add(frame.stream_id)
+                    if frame.stream_id == sid - 2 and ("END_STREAM" in frame.flags or frame.stream_id in reset):
+                        break  # the round's last stream is done
+                if goaway is not None:
+                    break
+        if share > 0.5:
+            assert goaway is not None and goaway.error_code == CALM
+        else:
+            assert goaway is None and len(reset) == 15 * 2
+            await still_serves(server.port)
+
+
 @pytest.mark.parametrize(("reset_share", "closed"), [(0.1, False), (0.6, True)])
 async def test_resets_are_judged_by_their_share(nursery: trio.Nursery, reset_share: float, closed: bool) -> None:
     """``max_client_resets=10``: 30 resets in 300 streams is normal; 60% resets past 10 is an attack."""

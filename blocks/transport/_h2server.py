@@ -107,7 +107,7 @@ class H2ServerConnection(H2Driver):
         self.count_body = config.validate or self.body_limit is not None
         self._opened = 0  # streams the client opened
         self._last_opened = 0  # the highest of their ids
-        self._resets = 0  # of those, reset by the client before we finished them
+        self._resets = 0  # of those, reset by the client before we finished them, or by us as malformed
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
         self._reader_done = trio.Event()
@@ -353,6 +353,9 @@ class H2ServerConnection(H2Driver):
         if answer is not None:
             self._send_malformed_answer(st, answer)
         self.reset(st, _PROTOCOL_ERROR)
+        # "MadeYouReset" (CVE-2025-8671): a reset the client provokes with a
+        # malformed request frees its stream slot as its own reset would.
+        self._count_reset()
 
     def _send_malformed_answer(self, st: H2Stream, answer: Response) -> None:
         """``answer``'s head, and its body if the windows take it now, neither with END_STREAM."""
@@ -367,15 +370,25 @@ class H2ServerConnection(H2Driver):
             pass  # the reset that follows ends the stream all the same
 
     def _on_reset(self, ev: Any) -> None:
-        if ev.stream_id in self.streams:
-            # Rapid reset (CVE-2023-44487): a client that cancels most of what
-            # it opens makes us do work for nothing. Cancelling some is normal.
-            self._resets += 1
-            limit = self.config.max_client_resets
-            if limit is not None and self._resets > limit and 2 * self._resets > self._opened:
-                self.calm(f"{self._resets} of {self._opened} streams reset by the client", "rapid_reset")
-                return
+        if ev.stream_id in self.streams and self._count_reset():
+            return
         self.on_reset(ev)
+
+    def _count_reset(self) -> bool:
+        """One more stream the client had reset before we finished it; True if that closed the connection.
+
+        Rapid reset (CVE-2023-44487): a client that cancels most of what it
+        opens makes us do work for nothing; cancelling some is normal. A
+        malformed request's reset counts the same (:meth:`malformed`).
+        """
+        self._resets += 1
+        limit = self.config.max_client_resets
+        if limit is not None and self._resets > limit and 2 * self._resets > self._opened:
+            self.calm(
+                f"{self._resets} of {self._opened} streams reset by the client or for being malformed", "rapid_reset"
+            )
+            return True
+        return False
 
     def _on_window_updated(self, ev: Any) -> None:
         st = self.streams.get(ev.stream_id) if ev.stream_id else None
