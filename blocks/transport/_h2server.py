@@ -41,6 +41,9 @@ _CALM = ErrorCodes.ENHANCE_YOUR_CALM
 _PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
 _UNLIMITED = 2**62  # a limit set to None
 
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+"""The client connection preface (RFC 9113 3.4)."""
+
 
 def _abuse_reason(message: str) -> str:
     """The reason a codec's ENHANCE_YOUR_CALM names, for the listener's count (``ServerStatistics.abuse``)."""
@@ -139,8 +142,16 @@ class H2ServerConnection(H2Driver):
 
     async def _reader(self, initial: bytes) -> None:
         try:
-            if initial:
+            while len(initial) < len(PREFACE) and PREFACE.startswith(initial):
+                # Over TLS the listener did not sniff: the preface is read here.
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    return
+                initial += data
+            if initial.startswith(PREFACE):
                 self._receive(initial)
+            else:
+                self._bad_preface()
             while not self.closed:
                 data = await self.stream.receive_some(65536)
                 if not data:
@@ -167,6 +178,16 @@ class H2ServerConnection(H2Driver):
             await self.stream.send_eof()
             while await self.stream.receive_some(65536):
                 pass
+
+    def _bad_preface(self) -> None:
+        """Not the client preface (RFC 9113 3.4): GOAWAY(PROTOCOL_ERROR), after our SETTINGS, and close.
+
+        (h2 would raise without queueing a GOAWAY: it checks the preface
+        outside its error handling.)
+        """
+        log.debug("invalid HTTP/2 preface from %s", self.client)
+        self.h2.close_connection(error_code=_PROTOCOL_ERROR)
+        self.mark_closed()
 
     def _receive(self, data: bytes | bytearray) -> None:
         try:
