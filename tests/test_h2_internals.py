@@ -12,14 +12,18 @@ import inspect
 import h2
 import h2.config
 import h2.connection
+import h2.events
+import h2.exceptions
 import h2.frame_buffer
+import h2.settings
 import h2.stream
 import h2.windows
+import hyperframe.frame
 import pytest
 import trio
 import trio.testing
 
-from blocks.transport._codec import GuardedFrameBuffer, H2Codec, make_h2
+from blocks.transport._codec import MAX_CONTINUATIONS, GuardedFrameBuffer, H2Codec, make_h2
 from blocks.transport._h2 import H2Driver, acknowledge
 
 
@@ -44,6 +48,7 @@ def test_new_streams_are_made_by_one_method_with_the_content_length_checks_as_me
     begin = relied_on(
         h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_codec.py (_LengthUncheckedCodec)"
     )
+    assert callable(begin)
     assert list(inspect.signature(begin).parameters) == ["self", "stream_id", "allowed_ids"]
     for name in ("_initialize_content_length", "_track_content_length"):
         relied_on(h2.stream.H2Stream, name, "blocks/transport/_codec.py (_LengthUncheckedStream)")
@@ -96,8 +101,13 @@ def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
 
 
 def test_the_outliving_state_machine_takes_the_frames_behind_a_goaway() -> None:
-    limits = {"max_concurrent_streams": 10, "stream_window": 65535, "max_header_list_size": 65536}
-    codec = make_h2(client_side=True, outlive_goaway=True, **limits)
+    codec = make_h2(
+        client_side=True,
+        outlive_goaway=True,
+        max_concurrent_streams=10,
+        stream_window=65535,
+        max_header_list_size=65536,
+    )
     assert isinstance(codec, H2Codec)
     codec.initiate_connection()
     codec.send_headers(1, [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")])
@@ -115,3 +125,21 @@ def test_every_event_the_drivers_handle_is_mapped_to_its_kind() -> None:
     kinds = H2Codec.event_kinds
     assert all(isinstance(cls, type) and issubclass(cls, h2.events.Event) for cls in kinds)
     assert len(set(kinds.values())) == len(kinds), "one h2 event class per kind"
+
+
+@pytest.mark.parametrize("continuations", [MAX_CONTINUATIONS, MAX_CONTINUATIONS + 1])
+def test_h2_takes_a_header_block_in_max_continuations_frames_and_no_more(continuations: int) -> None:
+    relied_on(h2.frame_buffer, "CONTINUATION_BACKLOG", "blocks/transport/_codec.py (MAX_CONTINUATIONS)")
+    plain = h2.frame_buffer.FrameBuffer(server=False)
+    plain.max_frame_size = 16384
+    frames: list[hyperframe.frame.Frame] = [hyperframe.frame.HeadersFrame(1, b"\x82")]
+    frames += [hyperframe.frame.ContinuationFrame(1, b"\x84") for _ in range(continuations)]
+    frames[-1].flags.add("END_HEADERS")
+    plain.add_data(b"".join(f.serialize() for f in frames))
+    if continuations > MAX_CONTINUATIONS:
+        with pytest.raises(h2.exceptions.ProtocolError):
+            next(plain)  # h2's PROTOCOL_ERROR, which GuardedFrameBuffer turns into ENHANCE_YOUR_CALM first
+    else:
+        block = next(plain)
+        assert isinstance(block, hyperframe.frame.HeadersFrame)
+        assert block.data == b"\x82" + b"\x84" * continuations

@@ -53,6 +53,8 @@ A codec also:
   coding unless asked (``huffman``);
 - enforces the abuse limits of :class:`GuardedFrameBuffer` on a server
   (``guard``), and counts what the driver reports through ``control_frame``;
+- advertises SETTINGS_MAX_HEADER_LIST_SIZE and fails only past
+  ``header_list_cap`` while decoding;
 - keeps a graceful GOAWAY from closing the connection: ``goaway_frame``
   makes one beside the state machine, ``reopen_after_goaway`` puts the
   state back after one is received, and ``outlive_goaway`` lets the frames
@@ -231,7 +233,9 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
     allows:
 
     - a header block (HEADERS plus its CONTINUATIONs) of at most
-      ``max_header_block`` encoded bytes;
+      ``max_header_block`` encoded bytes (the sum of the fragments, padding
+      and priority fields not counted), checked frame by frame, in at most
+      :data:`MAX_CONTINUATIONS` CONTINUATION frames;
     - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
       whose payload is empty and that end nothing;
     - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
@@ -253,6 +257,7 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         self.flood_limit = flood_limit
         self.flood_window = flood_window
         self._block = 0  # bytes of the header block being received
+        self._parts = 0  # its CONTINUATION frames
         self._empty = 0  # consecutive empty frames
         self._control = 0  # control frames since _since
         self._since = time.monotonic()
@@ -273,7 +278,16 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
             data = f.data
             if kind:
-                self._block = len(data) if kind == 1 else self._block + len(data)
+                if kind == 1:
+                    self._block = len(data)
+                    self._parts = 0
+                else:
+                    self._block += len(data)
+                    self._parts += 1
+                    if self._parts > MAX_CONTINUATIONS:
+                        raise h2.exceptions.DenialOfServiceError(
+                            f"header block in more than {MAX_CONTINUATIONS} CONTINUATION frames"
+                        )
                 if self._block > self.max_header_block:
                     raise h2.exceptions.DenialOfServiceError(f"header block over {self.max_header_block} bytes")
             if data or "END_STREAM" in f.flags or "END_HEADERS" in f.flags:
@@ -300,6 +314,10 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
 
 
 _CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
+
+MAX_CONTINUATIONS = h2.frame_buffer.CONTINUATION_BACKLOG - 1
+"""CONTINUATION frames one header block may take (63): h2 fails the connection with
+PROTOCOL_ERROR past them; :class:`GuardedFrameBuffer` names it ENHANCE_YOUR_CALM first."""
 
 
 class _LengthUncheckedStream(h2.stream.H2Stream):
@@ -390,6 +408,7 @@ def make_h2(
     max_concurrent_streams: int,
     stream_window: int,
     max_header_list_size: int,
+    header_list_cap: int | None = None,
     huffman: bool = False,
     guard: GuardedFrameBuffer | None = None,
     check_lengths: bool = True,
@@ -406,6 +425,12 @@ def make_h2(
     (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.
     ``outlive_goaway`` (clients) keeps the connection open through a GOAWAY
     received, for the frames behind it (see ``_OUTLIVE_GOAWAY``).
+
+    ``max_header_list_size`` is what SETTINGS_MAX_HEADER_LIST_SIZE advertises;
+    ``header_list_cap`` (default: the same) is where decoding a header block
+    stops with ENHANCE_YOUR_CALM (an HPACK bomb), both as RFC 9113 6.5.2
+    counts (every field's name and value, plus 32). A server that answers a
+    list between the two itself (431) sets the cap above the limit.
     """
     config = h2.config.H2Configuration(
         client_side=client_side,
@@ -421,9 +446,9 @@ def make_h2(
         conn.incoming_buffer = conn.guard = guard
     if outlive_goaway:
         conn.state_machine._transitions = _OUTLIVE_GOAWAY
-    # h2 applies our SETTINGS to its decoder only once the peer acknowledges
-    # them; a head that arrives before that must meet the same limit.
-    conn.decoder.max_header_list_size = max_header_list_size
+    # h2 applies our SETTINGS to its decoder only when a change is acknowledged,
+    # and initial values never change: the decoder keeps what is set here.
+    conn.decoder.max_header_list_size = header_list_cap or max_header_list_size
     if not huffman:
         conn.encoder = PlainEncoder()
     codes = h2.settings.SettingCodes

@@ -44,6 +44,21 @@ _UNLIMITED = 2**62  # a limit set to None
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """The client connection preface (RFC 9113 3.4)."""
 
+HEADER_LIST_HARD_CAP = 4
+"""The hard cap on one header block, as a multiple of ``max_header_list_size``.
+
+``max_header_list_size`` is what SETTINGS_MAX_HEADER_LIST_SIZE advertises,
+and counts a block decoded (RFC 9113 6.5.2: every field's name and value,
+plus 32): over it, a validating listener answers 431 on that stream. A block
+over the hard cap ends the connection with GOAWAY(ENHANCE_YOUR_CALM): counted
+encoded (the HEADERS and CONTINUATION fragments, frame by frame, so a
+CONTINUATION flood is cut there) or decoded (an HPACK bomb, while decoding).
+Four, because HPACK spends at most 30 bits on a byte (Huffman) and a few on a
+field's lengths, where the count adds 32: no encoding of a list within the
+limit is longer than four times it, so only a client over the limit can meet
+the encoded cap.
+"""
+
 
 def _abuse_reason(message: str) -> str:
     """The reason a codec's ENHANCE_YOUR_CALM names, for the listener's count (``ServerStatistics.abuse``)."""
@@ -70,8 +85,9 @@ class H2ServerConnection(H2Driver):
         relay: Relay | None = None,
         abuse: dict[str, int] | None = None,
     ) -> None:
+        cap = HEADER_LIST_HARD_CAP * config.max_header_list_size
         guard = GuardedFrameBuffer(
-            max_header_block=config.max_header_list_size,
+            max_header_block=cap,
             max_empty=config.max_empty_frames if config.max_empty_frames is not None else _UNLIMITED,
             flood_limit=config.flood_limit if config.flood_limit is not None else _UNLIMITED,
             flood_window=config.flood_window,
@@ -80,9 +96,9 @@ class H2ServerConnection(H2Driver):
             client_side=False,
             max_concurrent_streams=config.max_concurrent_streams,
             stream_window=config.stream_window,
-            # h2's decoder fails the whole connection past this; twice the cap
-            # leaves room for the per-stream 431 that validation answers.
-            max_header_list_size=2 * config.max_header_list_size,
+            max_header_list_size=config.max_header_list_size,
+            # Between the two, a 431 of that stream (validation); past the cap, the connection.
+            header_list_cap=cap,
             huffman=config.hpack_huffman,
             guard=guard,
             check_lengths=not config.validate,  # a validating listener checks them per stream
