@@ -127,6 +127,27 @@ def test_every_event_the_drivers_handle_is_mapped_to_its_kind() -> None:
     assert len(set(kinds.values())) == len(kinds), "one h2 event class per kind"
 
 
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def test_the_frame_buffer_checks_a_length_only_once_the_whole_frame_is_in() -> None:
+    # GuardedFrameBuffer.__next__ refuses an oversized frame from its header, on the StopIteration h2
+    # raises for a frame not all in; h2 itself would wait for all 16 MiB.
+    announced = (2**24 - 1).to_bytes(3) + b"\x00\x00\x00\x00\x00\x01"  # DATA, stream 1, no payload yet
+    plain = h2.frame_buffer.FrameBuffer(server=False)
+    plain.max_frame_size = 16384
+    plain.add_data(announced)
+    with pytest.raises(StopIteration):
+        next(plain)
+    guard = GuardedFrameBuffer(max_header_block=1024, max_empty=8, flood_limit=10, flood_window=1.0)
+    guard.max_frame_size = 16384
+    guard.add_data(PREFACE + SETTINGS + announced)
+    next(guard)  # the SETTINGS
+    with pytest.raises(h2.exceptions.FrameTooLargeError):
+        next(guard)
+
+
 @pytest.mark.parametrize("continuations", [MAX_CONTINUATIONS, MAX_CONTINUATIONS + 1])
 def test_h2_takes_a_header_block_in_max_continuations_frames_and_no_more(continuations: int) -> None:
     relied_on(h2.frame_buffer, "CONTINUATION_BACKLOG", "blocks/transport/_codec.py (MAX_CONTINUATIONS)")
@@ -143,3 +164,31 @@ def test_h2_takes_a_header_block_in_max_continuations_frames_and_no_more(continu
         block = next(plain)
         assert isinstance(block, hyperframe.frame.HeadersFrame)
         assert block.data == b"\x82" + b"\x84" * continuations
+
+
+@pytest.mark.parametrize("count_streams", [True, False])
+def test_h2_refuses_streams_past_the_limit_it_reads_from_the_local_settings(count_streams: bool) -> None:
+    source = inspect.getsource(h2.connection.H2Connection._receive_headers_frame)
+    assert "self.local_settings.max_concurrent_streams" in source, (
+        "make_h2(count_streams=False) hides the limit from h2 there (_StreamsUncountedSettings)"
+    )
+    codec = make_h2(
+        client_side=False,
+        max_concurrent_streams=1,
+        stream_window=65535,
+        max_header_list_size=65536,
+        count_streams=count_streams,
+    )
+    codec.initiate_connection()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    head = [(":method", "GET"), (":scheme", "http"), (":authority", "a"), (":path", "/")]
+    client.send_headers(1, head)
+    client.send_headers(3, head)
+    if count_streams:
+        with pytest.raises(h2.exceptions.TooManyStreamsError):
+            codec.receive_data(client.data_to_send())
+    else:
+        events = codec.receive_data(client.data_to_send())
+        assert [ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)] == [1, 3]
+        assert codec.local_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == 1, "still advertised"

@@ -20,6 +20,7 @@ waits for the state it asserts.
 from __future__ import annotations
 
 import functools
+import socket
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -490,6 +491,265 @@ def test_every_head_gets_the_answer_its_size_calls_for(heads: list[tuple[int, in
                 nursery.cancel_scope.cancel()
 
     trio.run(run)
+
+
+# -- HEADER_TABLE_SIZE, MAX_FRAME_SIZE ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("size", "refused"), [(4096, False), (4097, True)])
+async def test_the_dynamic_table_takes_at_most_header_table_size(
+    nursery: trio.Nursery, size: int, refused: bool
+) -> None:
+    """SETTINGS_HEADER_TABLE_SIZE 4096: a table size update up to it is taken, past it is a
+    decoding error, GOAWAY(COMPRESSION_ERROR) (RFC 7541 6.3, RFC 9113 4.3)."""
+    with trio.fail_after(10):
+        server, _ = await listen(nursery)
+        async with connect(server.port) as raw:
+            await raw.send(*frames(1, table_size_update(size) + block(request())))
+            if refused:
+                await closed_with(raw, E.COMPRESSION_ERROR)
+            else:
+                assert await status(raw, 1) == b"200"
+
+
+@pytest.mark.parametrize("kind", ["DATA", "HEADERS"])
+@pytest.mark.parametrize(("length", "refused"), [(16384, False), (16385, True)])
+async def test_a_frame_is_at_most_max_frame_size(nursery: trio.Nursery, kind: str, length: int, refused: bool) -> None:
+    with trio.fail_after(10):
+        server, _ = await listen(nursery)
+        async with connect(server.port) as raw:
+            if kind == "DATA":
+                await raw.send(get(1, b"/read", method=b"POST", end_stream=False))
+                await raw.send(hf.DataFrame(1, b"d" * length, flags=["END_STREAM"]))
+            else:
+                await raw.send(hf.HeadersFrame(1, pad(block(request()), length), flags=["END_HEADERS", "END_STREAM"]))
+            if refused:
+                await closed_with(raw, E.FRAME_SIZE_ERROR)
+            else:
+                assert await status(raw, 1) == b"200"
+                if kind == "DATA":
+                    data = await raw.until(lambda f: isinstance(f, hf.DataFrame))
+                    assert isinstance(data, hf.DataFrame) and data.data == b"16384\n"
+
+
+async def test_an_oversized_frame_is_refused_from_its_header_before_its_payload(nursery: trio.Nursery) -> None:
+    """A frame header announcing 16 MiB, and nothing after it: GOAWAY(FRAME_SIZE_ERROR) at once,
+    where waiting for the payload would hold 16 MiB per connection."""
+    with trio.fail_after(10):
+        server, _ = await listen(nursery)
+        async with connect(server.port) as raw:
+            await raw.send(get(1, b"/hold", method=b"POST", end_stream=False))
+            await raw.send((2**24 - 1).to_bytes(3) + b"\x00\x00\x00\x00\x00\x01")  # DATA on stream 1
+            await closed_with(raw, E.FRAME_SIZE_ERROR)
+
+
+# -- MAX_CONCURRENT_STREAMS --------------------------------------------------------------------------
+
+
+async def test_a_stream_past_max_concurrent_streams_is_refused_alone(nursery: trio.Nursery) -> None:
+    """``max_concurrent_streams=4``: four held streams are served; a fifth is RST_STREAM(REFUSED_STREAM)
+    (RFC 9113 5.1.2: a stream error), the four are answered, and the connection opens more."""
+    with trio.fail_after(10):
+        server, gate = await listen(nursery, max_concurrent_streams=4)
+        async with connect(server.port) as raw:
+            await raw.send(*[get(sid, b"/hold") for sid in (1, 3, 5, 7)])
+            await wait_for(lambda: gate.held == 4)
+            await raw.send(get(9))
+            reset = await answer(raw, 9)
+            assert isinstance(reset, hf.RstStreamFrame) and reset.error_code == E.REFUSED_STREAM
+            gate.release.set()
+            for sid in (1, 3, 5, 7):
+                assert await status(raw, sid) == b"200"
+            await goes_on(raw, 11)
+
+
+# -- INITIAL_WINDOW_SIZE and the connection window -------------------------------------------------------
+
+
+def data_frames(sid: int, size: int) -> list[hf.Frame]:
+    return [hf.DataFrame(sid, b"x" * min(16384, size - at)) for at in range(0, size, 16384)]
+
+
+@pytest.mark.parametrize(("sent", "refused"), [(256 * 1024, False), (256 * 1024 + 1, True)])
+async def test_a_stream_takes_its_window_and_no_more(nursery: trio.Nursery, sent: int, refused: bool) -> None:
+    """SETTINGS_INITIAL_WINDOW_SIZE (``stream_window``, 256 KiB): a request body nobody reads fills
+    the stream's window; one byte more is GOAWAY(FLOW_CONTROL_ERROR)."""
+    with trio.fail_after(10):
+        server, gate = await listen(nursery)
+        async with connect(server.port) as raw:
+            await raw.send(get(1, b"/hold", method=b"POST", end_stream=False), *data_frames(1, sent))
+            if refused:
+                await closed_with(raw, E.FLOW_CONTROL_ERROR)
+            else:
+                await wait_for(lambda: gate.held == 1)
+                await goes_on(raw, 3)
+
+
+@pytest.mark.parametrize(("extra", "refused"), [(0, False), (1, True)])
+async def test_a_connection_takes_its_window_and_no_more(nursery: trio.Nursery, extra: int, refused: bool) -> None:
+    """``connection_window`` (the WINDOW_UPDATE at start): two unread bodies fill 131,070 bytes; one
+    byte more, on a third stream, is GOAWAY(FLOW_CONTROL_ERROR)."""
+    with trio.fail_after(10):
+        server, gate = await listen(nursery, stream_window=65535, connection_window=2 * 65535)
+        async with connect(server.port) as raw:
+            for sid in (1, 3):
+                await raw.send(get(sid, b"/hold", method=b"POST", end_stream=False), *data_frames(sid, 65535))
+            await raw.send(get(5, b"/hold", method=b"POST", end_stream=False))
+            await wait_for(lambda: gate.held == 3)
+            if extra:
+                await raw.send(hf.DataFrame(5, b"x" * extra))
+                await closed_with(raw, E.FLOW_CONTROL_ERROR)
+            else:
+                await goes_on(raw, 7)
+
+
+# -- ENABLE_CONNECT_PROTOCOL -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("enabled", "expected"), [(True, b"200"), (False, b"400")])
+async def test_extended_connect_is_taken_only_where_advertised(
+    nursery: trio.Nursery, enabled: bool, expected: bytes
+) -> None:
+    with trio.fail_after(10):
+        server, _ = await listen(nursery, enable_connect_protocol=enabled)
+        head = [
+            (b":method", b"CONNECT"),
+            (b":protocol", b"websocket"),
+            (b":scheme", b"http"),
+            (b":authority", b"example.test"),
+            (b":path", b"/chat"),
+            (b"sec-websocket-version", b"13"),
+        ]
+        async with connect(server.port) as raw:
+            first = await raw.next_frame()
+            assert isinstance(first, hf.SettingsFrame)
+            assert first.settings[S.ENABLE_CONNECT_PROTOCOL] == int(enabled)
+            await raw.send(*frames(1, block(head), end_stream=False))
+            assert await status(raw, 1) == expected
+            await goes_on(raw, 3)
+
+
+# -- the per-client limits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answered", "reset", "closed"),
+    [
+        pytest.param(0, 10, False, id="10-resets-of-10"),
+        pytest.param(0, 11, True, id="11-resets-of-11"),
+        pytest.param(11, 11, False, id="11-resets-of-22"),
+        pytest.param(10, 11, True, id="11-resets-of-21"),
+    ],
+)
+async def test_max_client_resets_is_a_count_and_a_share(
+    nursery: trio.Nursery, answered: int, reset: int, closed: bool
+) -> None:
+    """``max_client_resets=10``: a client is closed once it has reset more than 10 streams it opened
+    before they were answered, and more than half of them; the request behind the last reset tells."""
+    with trio.fail_after(10):
+        server, gate = await listen(nursery, max_client_resets=10)
+        async with connect(server.port) as raw:
+            sids = list(range(1, 2 * answered, 2))
+            await raw.send(*[get(sid) for sid in sids])
+            for sid in sids:
+                assert await status(raw, sid) == b"200"
+            held = list(range(2 * answered + 1, 2 * (answered + reset), 2))
+            await raw.send(*[get(sid, b"/hold") for sid in held])
+            await wait_for(lambda: gate.held == reset)
+            probe = held[-1] + 2
+            await raw.send(*[hf.RstStreamFrame(sid, error_code=E.CANCEL) for sid in held], get(probe))
+            if closed:
+                await closed_with(raw, E.ENHANCE_YOUR_CALM, last_stream_id=held[-1])
+            else:
+                assert await status(raw, probe) == b"200"
+
+
+@pytest.mark.parametrize("kind", ["DATA", "CONTINUATION"])
+@pytest.mark.parametrize(("empty", "closed"), [(3, False), (4, True)])
+async def test_max_empty_frames_in_a_row(nursery: trio.Nursery, kind: str, empty: int, closed: bool) -> None:
+    with trio.fail_after(10):
+        server, _ = await listen(nursery, max_empty_frames=3)
+        async with connect(server.port) as raw:
+            if kind == "DATA":
+                await raw.send(get(1, b"/read", method=b"POST", end_stream=False))
+                await raw.send(
+                    *[hf.DataFrame(1, b"") for _ in range(empty)], hf.DataFrame(1, b"x", flags=["END_STREAM"])
+                )
+            else:
+                data = block(request())
+                await raw.send(
+                    hf.HeadersFrame(1, data[:5], flags=["END_STREAM"]),
+                    *[hf.ContinuationFrame(1, b"") for _ in range(empty)],
+                    hf.ContinuationFrame(1, data[5:], flags=["END_HEADERS"]),
+                )
+            if closed:
+                await closed_with(raw, E.ENHANCE_YOUR_CALM)
+            else:
+                assert await status(raw, 1) == b"200"
+
+
+@pytest.mark.parametrize(("pings", "closed"), [(49, False), (50, True)])
+async def test_flood_limit_counts_control_frames(nursery: trio.Nursery, pings: int, closed: bool) -> None:
+    """``flood_limit=50``: the client's SETTINGS and 49 PINGs are 50 control frames; one more closes."""
+    with trio.fail_after(10):
+        server, _ = await listen(nursery, flood_limit=50)
+        async with connect(server.port) as raw:
+            await raw.send(*[hf.PingFrame(0, opaque_data=b"%08d" % i) for i in range(pings)], get(1))
+            if closed:
+                await closed_with(raw, E.ENHANCE_YOUR_CALM)
+            else:
+                assert await status(raw, 1) == b"200"
+
+
+@pytest.mark.parametrize(("declared", "expected"), [(1000, b"200"), (1001, b"413")])
+async def test_a_declared_length_up_to_max_request_body_is_read(
+    nursery: trio.Nursery, declared: int, expected: bytes
+) -> None:
+    with trio.fail_after(10):
+        server, _ = await listen(nursery, max_request_body=1000)
+        async with connect(server.port) as raw:
+            head = [*request(b"/read", b"POST"), (b"content-length", b"%d" % declared)]
+            await raw.send(
+                *frames(1, block(head), end_stream=False), hf.DataFrame(1, b"b" * declared, flags=["END_STREAM"])
+            )
+            assert await status(raw, 1) == expected
+            await goes_on(raw, 3)
+
+
+BATCHES = 60  # of 1,000 PINGs: a megabyte of answers, well past the socket buffers and 64 KiB
+
+
+@pytest.mark.parametrize("reads", [True, False])
+async def test_max_outbound_buffer_closes_only_a_client_that_does_not_read(nursery: trio.Nursery, reads: bool) -> None:
+    """PINGs (the flood limit off), each answered: a client that reads its answers is served
+    throughout; one that does not is closed once ``max_outbound_buffer`` bytes of answers wait."""
+    with trio.fail_after(30):
+        server, _ = await listen(nursery, flood_limit=None, max_outbound_buffer=64 * 1024)
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect((HOST, server.port))
+        async with trio.SocketStream(sock) as stream:
+            raw = Client(stream)
+            await raw.send(H2_PREFACE, hf.SettingsFrame(0))
+            batch = hf.PingFrame(0, opaque_data=b"pingping").serialize() * 1000
+            acks = 0
+            sent = 0
+            while sent < BATCHES:
+                if not await raw.send(batch):
+                    break
+                sent += 1
+                while reads and acks < 1000 * sent:
+                    frame = await raw.next_frame()
+                    assert frame is not None and not isinstance(frame, hf.GoAwayFrame)
+                    acks += isinstance(frame, hf.PingFrame)
+                if not reads and not server.statistics().connections:
+                    break
+            if reads:
+                assert sent == BATCHES
+                await goes_on(raw, 1)
+            else:
+                await wait_for(lambda: server.statistics().connections == 0)
+                assert sent < BATCHES
 
 
 # -- Both: the preface, TLS, closing ------------------------------------------------------------------

@@ -54,7 +54,9 @@ A codec also:
 - enforces the abuse limits of :class:`GuardedFrameBuffer` on a server
   (``guard``), and counts what the driver reports through ``control_frame``;
 - advertises SETTINGS_MAX_HEADER_LIST_SIZE and fails only past
-  ``header_list_cap`` while decoding;
+  ``header_list_cap`` while decoding, and on a server that counts its own
+  streams (``count_streams=False``) refuses none past
+  SETTINGS_MAX_CONCURRENT_STREAMS itself;
 - keeps a graceful GOAWAY from closing the connection: ``goaway_frame``
   makes one beside the state machine, ``reopen_after_goaway`` puts the
   state back after one is received, and ``outlive_goaway`` lets the frames
@@ -62,8 +64,9 @@ A codec also:
 - keeps the inbound window books: ``inbound_books()`` is ``(window, unacknowledged)``.
 
 The hyper-h2 codec patches h2 internals for all that (a class swap on new
-streams, the frame buffer's header parsing, the connection state machine's
-transitions and state, the inbound window manager's books):
+streams, the frame buffer's header parsing and its buffering of a frame,
+the connection state machine's transitions and state, the inbound window
+manager's books, where h2 reads our stream limit):
 ``tests/test_h2_internals.py`` checks that each one is still there and
 still means what it meant, and ``pyproject.toml`` pins h2 to the minor
 release they were checked against.
@@ -228,14 +231,18 @@ class CheckedDecoder(hpack.Decoder):
 class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's inbound frame buffer, with the limits a server facing strangers needs.
 
-    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block) and
-    counts nothing else. This buffer sees every frame before h2 acts on it and
-    allows:
+    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block),
+    and checks a frame's length only once the whole frame is in (up to 16 MiB
+    buffered for a length it will refuse). This buffer sees every frame before
+    h2 acts on it and allows:
 
     - a header block (HEADERS plus its CONTINUATIONs) of at most
       ``max_header_block`` encoded bytes (the sum of the fragments, padding
       and priority fields not counted), checked frame by frame, in at most
       :data:`MAX_CONTINUATIONS` CONTINUATION frames;
+    - no frame longer than ``max_frame_size`` (our SETTINGS_MAX_FRAME_SIZE),
+      refused from its 9-byte header, before its payload is buffered
+      (FRAME_SIZE_ERROR, as h2 would have answered once it was all in);
     - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
       whose payload is empty and that end nothing;
     - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
@@ -246,8 +253,9 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
       driver reports through :meth:`control_frame` (window updates that
       serve no stream).
 
-    Crossing one raises h2's ``DenialOfServiceError``, which h2 answers with
-    GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the connection.
+    Crossing one of the counts raises h2's ``DenialOfServiceError``, which h2
+    answers with GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the
+    connection.
     """
 
     def __init__(self, *, max_header_block: int, max_empty: int, flood_limit: int, flood_window: float) -> None:
@@ -267,7 +275,17 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         data = self._data
         if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1] or data[2]):
             raise h2.exceptions.FrameTooLargeError("SETTINGS ACK with a payload")
-        return super().__next__()
+        try:
+            return super().__next__()
+        except StopIteration:
+            # A frame not all in yet: h2 would buffer all of its announced length
+            # (up to 16 MiB) before refusing it.
+            data = self._data
+            if len(data) >= 9 and int.from_bytes(data[:3]) > self.max_frame_size:
+                raise h2.exceptions.FrameTooLargeError(
+                    f"a frame of {int.from_bytes(data[:3])} bytes, over {self.max_frame_size}"
+                ) from None
+            raise
 
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type
@@ -402,6 +420,25 @@ _OUTLIVE_GOAWAY = {
 }
 
 
+class _StreamsUncountedSettings(h2.settings.Settings):
+    """Our settings, as sent, except that h2 reads no concurrent-stream limit from them.
+
+    h2 answers a HEADERS frame past our SETTINGS_MAX_CONCURRENT_STREAMS with
+    a connection error (PROTOCOL_ERROR); RFC 9113 5.1.2 makes it an error of
+    that stream alone. A server that counts its streams itself (the listener:
+    RST_STREAM(REFUSED_STREAM), which the client may retry) takes these. The
+    value still goes out in the SETTINGS frame, which h2 builds from the items.
+    """
+
+    @property
+    def max_concurrent_streams(self) -> int:
+        return 2**31 - 1
+
+    @max_concurrent_streams.setter
+    def max_concurrent_streams(self, value: int) -> None:
+        self[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = value
+
+
 def make_h2(
     *,
     client_side: bool,
@@ -409,6 +446,7 @@ def make_h2(
     stream_window: int,
     max_header_list_size: int,
     header_list_cap: int | None = None,
+    count_streams: bool = True,
     huffman: bool = False,
     guard: GuardedFrameBuffer | None = None,
     check_lengths: bool = True,
@@ -431,6 +469,9 @@ def make_h2(
     stops with ENHANCE_YOUR_CALM (an HPACK bomb), both as RFC 9113 6.5.2
     counts (every field's name and value, plus 32). A server that answers a
     list between the two itself (431) sets the cap above the limit.
+    ``count_streams=False``: h2 does not refuse a stream past
+    ``max_concurrent_streams`` (a connection error there); the caller does
+    (see :class:`_StreamsUncountedSettings`).
     """
     config = h2.config.H2Configuration(
         client_side=client_side,
@@ -452,7 +493,7 @@ def make_h2(
     if not huffman:
         conn.encoder = PlainEncoder()
     codes = h2.settings.SettingCodes
-    conn.local_settings = h2.settings.Settings(
+    conn.local_settings = (h2.settings.Settings if count_streams else _StreamsUncountedSettings)(
         client=client_side,
         initial_values={
             codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,

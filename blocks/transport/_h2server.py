@@ -99,6 +99,7 @@ class H2ServerConnection(H2Driver):
             max_header_list_size=config.max_header_list_size,
             # Between the two, a 431 of that stream (validation); past the cap, the connection.
             header_list_cap=cap,
+            count_streams=False,  # _on_request refuses a stream past the limit, not the connection
             huffman=config.hpack_huffman,
             guard=guard,
             check_lengths=not config.validate,  # a validating listener checks them per stream
@@ -116,6 +117,7 @@ class H2ServerConnection(H2Driver):
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
         self._final_goaway_sent = False
+        self.max_streams = config.max_concurrent_streams
         self.body_limit = config.max_request_body
         self.count_body = config.validate or self.body_limit is not None
         self._opened = 0  # streams the client opened
@@ -221,7 +223,9 @@ class H2ServerConnection(H2Driver):
 
     def _on_request(self, ev: Any) -> None:
         sid: int = ev.stream_id
-        if self._last_stream_id is not None and sid > self._last_stream_id:
+        if len(self.streams) >= self.max_streams or (self._last_stream_id is not None and sid > self._last_stream_id):
+            # Past SETTINGS_MAX_CONCURRENT_STREAMS (a stream error, RFC 9113 5.1.2), or
+            # after our final GOAWAY: refused, which tells the client it may retry it.
             self.h2.reset_stream(sid, _REFUSED)
             return
         st = H2Stream(sid)
