@@ -16,6 +16,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.frame_buffer
+import h2.settings
 import h2.stream
 import h2.windows
 import hpack
@@ -24,7 +25,7 @@ import pytest
 import trio
 import trio.testing
 
-from blocks.transport._codec import GuardedFrameBuffer, H2Codec, make_h2
+from blocks.transport._codec import MAX_CONTINUATIONS, GuardedFrameBuffer, H2Codec, make_h2
 from blocks.transport._h2 import H2Driver, acknowledge
 
 
@@ -49,6 +50,7 @@ def test_new_streams_are_made_by_one_method_with_the_content_length_checks_as_me
     begin = relied_on(
         h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_codec.py (_LengthUncheckedCodec)"
     )
+    assert callable(begin)
     assert list(inspect.signature(begin).parameters) == ["self", "stream_id", "allowed_ids"]
     for name in ("_initialize_content_length", "_track_content_length"):
         relied_on(h2.stream.H2Stream, name, "blocks/transport/_codec.py (_LengthUncheckedStream)")
@@ -101,8 +103,13 @@ def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
 
 
 def test_the_outliving_state_machine_takes_the_frames_behind_a_goaway() -> None:
-    limits = {"max_concurrent_streams": 10, "stream_window": 65535, "max_header_list_size": 65536}
-    codec = make_h2(client_side=True, outlive_goaway=True, **limits)
+    codec = make_h2(
+        client_side=True,
+        outlive_goaway=True,
+        max_concurrent_streams=10,
+        stream_window=65535,
+        max_header_list_size=65536,
+    )
     assert isinstance(codec, H2Codec)
     codec.initiate_connection()
     codec.send_headers(1, [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")])
@@ -208,3 +215,70 @@ def test_a_malformed_requests_headers_frame_is_its_streams_error_on_a_validating
         ("RstStreamFrame", 5),
         ("RstStreamFrame", 7),
     ]
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def test_the_frame_buffer_checks_a_length_only_once_the_whole_frame_is_in() -> None:
+    # GuardedFrameBuffer.__next__ refuses an oversized frame from its header, on the StopIteration h2
+    # raises for a frame not all in; h2 itself would wait for all 16 MiB.
+    announced = (2**24 - 1).to_bytes(3) + b"\x00\x00\x00\x00\x00\x01"  # DATA, stream 1, no payload yet
+    plain = h2.frame_buffer.FrameBuffer(server=False)
+    plain.max_frame_size = 16384
+    plain.add_data(announced)
+    with pytest.raises(StopIteration):
+        next(plain)
+    guard = GuardedFrameBuffer(max_header_block=1024, max_empty=8, flood_limit=10, flood_window=1.0)
+    guard.max_frame_size = 16384
+    guard.add_data(PREFACE + SETTINGS + announced)
+    next(guard)  # the SETTINGS
+    with pytest.raises(h2.exceptions.FrameTooLargeError):
+        next(guard)
+
+
+@pytest.mark.parametrize("continuations", [MAX_CONTINUATIONS, MAX_CONTINUATIONS + 1])
+def test_h2_takes_a_header_block_in_max_continuations_frames_and_no_more(continuations: int) -> None:
+    relied_on(h2.frame_buffer, "CONTINUATION_BACKLOG", "blocks/transport/_codec.py (MAX_CONTINUATIONS)")
+    plain = h2.frame_buffer.FrameBuffer(server=False)
+    plain.max_frame_size = 16384
+    frames: list[hyperframe.frame.Frame] = [hyperframe.frame.HeadersFrame(1, b"\x82")]
+    frames += [hyperframe.frame.ContinuationFrame(1, b"\x84") for _ in range(continuations)]
+    frames[-1].flags.add("END_HEADERS")
+    plain.add_data(b"".join(f.serialize() for f in frames))
+    if continuations > MAX_CONTINUATIONS:
+        with pytest.raises(h2.exceptions.ProtocolError):
+            next(plain)  # h2's PROTOCOL_ERROR, which GuardedFrameBuffer turns into ENHANCE_YOUR_CALM first
+    else:
+        block = next(plain)
+        assert isinstance(block, hyperframe.frame.HeadersFrame)
+        assert block.data == b"\x82" + b"\x84" * continuations
+
+
+@pytest.mark.parametrize("count_streams", [True, False])
+def test_h2_refuses_streams_past_the_limit_it_reads_from_the_local_settings(count_streams: bool) -> None:
+    source = inspect.getsource(h2.connection.H2Connection._receive_headers_frame)
+    assert "self.local_settings.max_concurrent_streams" in source, (
+        "make_h2(count_streams=False) hides the limit from h2 there (_StreamsUncountedSettings)"
+    )
+    codec = make_h2(
+        client_side=False,
+        max_concurrent_streams=1,
+        stream_window=65535,
+        max_header_list_size=65536,
+        count_streams=count_streams,
+    )
+    codec.initiate_connection()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    head = [(":method", "GET"), (":scheme", "http"), (":authority", "a"), (":path", "/")]
+    client.send_headers(1, head)
+    client.send_headers(3, head)
+    if count_streams:
+        with pytest.raises(h2.exceptions.TooManyStreamsError):
+            codec.receive_data(client.data_to_send())
+    else:
+        events = codec.receive_data(client.data_to_send())
+        assert [ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)] == [1, 3]
+        assert codec.local_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == 1, "still advertised"

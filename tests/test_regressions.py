@@ -238,7 +238,7 @@ async def alongside_a_stream(started: trio.Event) -> None:
 
 
 async def test_h2_header_list_over_the_edge_cap_gets_431_on_its_stream(nursery: trio.Nursery) -> None:
-    # Guards: check_header_list_size in validate_request_head, and the h2 listener's decoder cap at twice
+    # Guards: check_header_list_size in validate_request_head, and the h2 listener's decoder cap at four times
     # the 431 cap (at the cap itself h2's decoder fails the whole connection before validation runs).
     streamed: list[H2Result] = []
     started = trio.Event()
@@ -335,7 +335,7 @@ async def test_a_head_the_edge_accepts_passes_every_internal_hop(nursery: trio.N
 
 
 async def test_a_head_the_edge_accepts_never_kills_a_pooled_replica_connection(nursery: trio.Nursery) -> None:
-    # Guards: the h2 listener's decoder cap at twice the 431 cap, at the replica (a head under the edge's cap,
+    # Guards: the h2 listener's decoder cap at four times the 431 cap, at the replica (a head under the edge's cap,
     # grown by the hops' fields, gets a 431 from the replica instead of killing the worker's pooled connection
     # to it, which another client's stream shares).
     streamed: list[H2Result] = []

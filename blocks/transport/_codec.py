@@ -61,6 +61,10 @@ A codec also:
   coding unless asked (``huffman``);
 - enforces the abuse limits of :class:`GuardedFrameBuffer` on a server
   (``guard``), and counts what the driver reports through ``control_frame``;
+- advertises SETTINGS_MAX_HEADER_LIST_SIZE and fails only past
+  ``header_list_cap`` while decoding, and on a server that counts its own
+  streams (``count_streams=False``) refuses none past
+  SETTINGS_MAX_CONCURRENT_STREAMS itself;
 - keeps a graceful GOAWAY from closing the connection: ``goaway_frame``
   makes one beside the state machine, ``reopen_after_goaway`` puts the
   state back after one is received, and ``outlive_goaway`` lets the frames
@@ -69,9 +73,9 @@ A codec also:
 
 The hyper-h2 codec patches h2 internals for all that (a class swap on new
 streams, whose class overrides h2's content-length checks and catches its
-stream state machine's errors on HEADERS, the frame buffer's header parsing,
-the connection state machine's transitions and state, the inbound window
-manager's books):
+stream state machine's errors on HEADERS, the frame buffer's header parsing
+and its buffering of a frame, the connection state machine's transitions and
+state, the inbound window manager's books, where h2 reads our stream limit):
 ``tests/test_h2_internals.py`` checks that each one is still there and
 still means what it meant, and ``pyproject.toml`` pins h2 to the minor
 release they were checked against.
@@ -236,12 +240,18 @@ class CheckedDecoder(hpack.Decoder):
 class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's inbound frame buffer, with the limits a server facing strangers needs.
 
-    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block) and
-    counts nothing else. This buffer sees every frame before h2 acts on it and
-    allows:
+    h2 buffers up to 64 CONTINUATION frames (about 1 MB of header block),
+    and checks a frame's length only once the whole frame is in (up to 16 MiB
+    buffered for a length it will refuse). This buffer sees every frame before
+    h2 acts on it and allows:
 
     - a header block (HEADERS plus its CONTINUATIONs) of at most
-      ``max_header_block`` encoded bytes;
+      ``max_header_block`` encoded bytes (the sum of the fragments, padding
+      and priority fields not counted), checked frame by frame, in at most
+      :data:`MAX_CONTINUATIONS` CONTINUATION frames;
+    - no frame longer than ``max_frame_size`` (our SETTINGS_MAX_FRAME_SIZE),
+      refused from its 9-byte header, before its payload is buffered
+      (FRAME_SIZE_ERROR, as h2 would have answered once it was all in);
     - at most ``max_empty`` consecutive DATA, HEADERS or CONTINUATION frames
       whose payload is empty and that end nothing;
     - a first frame that is SETTINGS (RFC 9113 3.4), else PROTOCOL_ERROR;
@@ -252,8 +262,9 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
       driver reports through :meth:`control_frame` (window updates that
       serve no stream).
 
-    Crossing one raises h2's ``DenialOfServiceError``, which h2 answers with
-    GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the connection.
+    Crossing one of the counts raises h2's ``DenialOfServiceError``, which h2
+    answers with GOAWAY(ENHANCE_YOUR_CALM) and the driver with closing the
+    connection.
     """
 
     def __init__(self, *, max_header_block: int, max_empty: int, flood_limit: int, flood_window: float) -> None:
@@ -263,6 +274,7 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         self.flood_limit = flood_limit
         self.flood_window = flood_window
         self._block = 0  # bytes of the header block being received
+        self._parts = 0  # its CONTINUATION frames
         self._empty = 0  # consecutive empty frames
         self._control = 0  # control frames since _since
         self._since = time.monotonic()
@@ -272,7 +284,17 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         data = self._data
         if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1] or data[2]):
             raise h2.exceptions.FrameTooLargeError("SETTINGS ACK with a payload")
-        return super().__next__()
+        try:
+            return super().__next__()
+        except StopIteration:
+            # A frame not all in yet: h2 would buffer all of its announced length
+            # (up to 16 MiB) before refusing it.
+            data = self._data
+            if len(data) >= 9 and int.from_bytes(data[:3]) > self.max_frame_size:
+                raise h2.exceptions.FrameTooLargeError(
+                    f"a frame of {int.from_bytes(data[:3])} bytes, over {self.max_frame_size}"
+                ) from None
+            raise
 
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type
@@ -283,7 +305,16 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
             data = f.data
             if kind:
-                self._block = len(data) if kind == 1 else self._block + len(data)
+                if kind == 1:
+                    self._block = len(data)
+                    self._parts = 0
+                else:
+                    self._block += len(data)
+                    self._parts += 1
+                    if self._parts > MAX_CONTINUATIONS:
+                        raise h2.exceptions.DenialOfServiceError(
+                            f"header block in more than {MAX_CONTINUATIONS} CONTINUATION frames"
+                        )
                 if self._block > self.max_header_block:
                     raise h2.exceptions.DenialOfServiceError(f"header block over {self.max_header_block} bytes")
             if data or "END_STREAM" in f.flags or "END_HEADERS" in f.flags:
@@ -310,6 +341,10 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
 
 
 _CONTROL_FRAMES = frozenset({0x2, 0x4, 0x6})  # PRIORITY, SETTINGS, PING
+
+MAX_CONTINUATIONS = h2.frame_buffer.CONTINUATION_BACKLOG - 1
+"""CONTINUATION frames one header block may take (63): h2 fails the connection with
+PROTOCOL_ERROR past them; :class:`GuardedFrameBuffer` names it ENHANCE_YOUR_CALM first."""
 
 
 class _LengthUncheckedStream(h2.stream.H2Stream):
@@ -438,12 +473,33 @@ _OUTLIVE_GOAWAY = {
 }
 
 
+class _StreamsUncountedSettings(h2.settings.Settings):
+    """Our settings, as sent, except that h2 reads no concurrent-stream limit from them.
+
+    h2 answers a HEADERS frame past our SETTINGS_MAX_CONCURRENT_STREAMS with
+    a connection error (PROTOCOL_ERROR); RFC 9113 5.1.2 makes it an error of
+    that stream alone. A server that counts its streams itself (the listener:
+    RST_STREAM(REFUSED_STREAM), which the client may retry) takes these. The
+    value still goes out in the SETTINGS frame, which h2 builds from the items.
+    """
+
+    @property
+    def max_concurrent_streams(self) -> int:
+        return 2**31 - 1
+
+    @max_concurrent_streams.setter
+    def max_concurrent_streams(self, value: int) -> None:
+        self[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = value
+
+
 def make_h2(
     *,
     client_side: bool,
     max_concurrent_streams: int,
     stream_window: int,
     max_header_list_size: int,
+    header_list_cap: int | None = None,
+    count_streams: bool = True,
     huffman: bool = False,
     guard: GuardedFrameBuffer | None = None,
     check_lengths: bool = True,
@@ -464,6 +520,15 @@ def make_h2(
     (RFC 8441): clients may then open WebSocket tunnels with extended CONNECT.
     ``outlive_goaway`` (clients) keeps the connection open through a GOAWAY
     received, for the frames behind it (see ``_OUTLIVE_GOAWAY``).
+
+    ``max_header_list_size`` is what SETTINGS_MAX_HEADER_LIST_SIZE advertises;
+    ``header_list_cap`` (default: the same) is where decoding a header block
+    stops with ENHANCE_YOUR_CALM (an HPACK bomb), both as RFC 9113 6.5.2
+    counts (every field's name and value, plus 32). A server that answers a
+    list between the two itself (431) sets the cap above the limit.
+    ``count_streams=False``: h2 does not refuse a stream past
+    ``max_concurrent_streams`` (a connection error there); the caller does
+    (see :class:`_StreamsUncountedSettings`).
     """
     config = h2.config.H2Configuration(
         client_side=client_side,
@@ -479,13 +544,13 @@ def make_h2(
         conn.incoming_buffer = conn.guard = guard
     if outlive_goaway:
         conn.state_machine._transitions = _OUTLIVE_GOAWAY
-    # h2 applies our SETTINGS to its decoder only once the peer acknowledges
-    # them; a head that arrives before that must meet the same limit.
-    conn.decoder.max_header_list_size = max_header_list_size
+    # h2 applies our SETTINGS to its decoder only when a change is acknowledged,
+    # and initial values never change: the decoder keeps what is set here.
+    conn.decoder.max_header_list_size = header_list_cap or max_header_list_size
     if not huffman:
         conn.encoder = PlainEncoder()
     codes = h2.settings.SettingCodes
-    conn.local_settings = h2.settings.Settings(
+    conn.local_settings = (h2.settings.Settings if count_streams else _StreamsUncountedSettings)(
         client=client_side,
         initial_values={
             codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,

@@ -47,6 +47,24 @@ _CALM = ErrorCodes.ENHANCE_YOUR_CALM
 _PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
 _UNLIMITED = 2**62  # a limit set to None
 
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+"""The client connection preface (RFC 9113 3.4)."""
+
+HEADER_LIST_HARD_CAP = 4
+"""The hard cap on one header block, as a multiple of ``max_header_list_size``.
+
+``max_header_list_size`` is what SETTINGS_MAX_HEADER_LIST_SIZE advertises,
+and counts a block decoded (RFC 9113 6.5.2: every field's name and value,
+plus 32): over it, a validating listener answers 431 on that stream. A block
+over the hard cap ends the connection with GOAWAY(ENHANCE_YOUR_CALM): counted
+encoded (the HEADERS and CONTINUATION fragments, frame by frame, so a
+CONTINUATION flood is cut there) or decoded (an HPACK bomb, while decoding).
+Four, because HPACK spends at most 30 bits on a byte (Huffman) and a few on a
+field's lengths, where the count adds 32: no encoding of a list within the
+limit is longer than four times it, so only a client over the limit can meet
+the encoded cap.
+"""
+
 
 def _abuse_reason(message: str) -> str:
     """The reason a codec's ENHANCE_YOUR_CALM names, for the listener's count (``ServerStatistics.abuse``)."""
@@ -73,8 +91,9 @@ class H2ServerConnection(H2Driver):
         relay: Relay | None = None,
         abuse: dict[str, int] | None = None,
     ) -> None:
+        cap = HEADER_LIST_HARD_CAP * config.max_header_list_size
         guard = GuardedFrameBuffer(
-            max_header_block=config.max_header_list_size,
+            max_header_block=cap,
             max_empty=config.max_empty_frames if config.max_empty_frames is not None else _UNLIMITED,
             flood_limit=config.flood_limit if config.flood_limit is not None else _UNLIMITED,
             flood_window=config.flood_window,
@@ -83,9 +102,10 @@ class H2ServerConnection(H2Driver):
             client_side=False,
             max_concurrent_streams=config.max_concurrent_streams,
             stream_window=config.stream_window,
-            # h2's decoder fails the whole connection past this; twice the cap
-            # leaves room for the per-stream 431 that validation answers.
-            max_header_list_size=2 * config.max_header_list_size,
+            max_header_list_size=config.max_header_list_size,
+            # Between the two, a 431 of that stream (validation); past the cap, the connection.
+            header_list_cap=cap,
+            count_streams=False,  # _on_request refuses a stream past the limit, not the connection
             huffman=config.hpack_huffman,
             guard=guard,
             check_lengths=not config.validate,  # a validating listener checks them per stream
@@ -103,6 +123,7 @@ class H2ServerConnection(H2Driver):
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
         self._final_goaway_sent = False
+        self.max_streams = config.max_concurrent_streams
         self.body_limit = config.max_request_body
         self.count_body = config.validate or self.body_limit is not None
         self._opened = 0  # streams the client opened
@@ -145,8 +166,16 @@ class H2ServerConnection(H2Driver):
 
     async def _reader(self, initial: bytes) -> None:
         try:
-            if initial:
+            while len(initial) < len(PREFACE) and PREFACE.startswith(initial):
+                # Over TLS the listener did not sniff: the preface is read here.
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    return
+                initial += data
+            if initial.startswith(PREFACE):
                 self._receive(initial)
+            else:
+                self._bad_preface()
             while not self.closed:
                 data = await self.stream.receive_some(65536)
                 if not data:
@@ -174,6 +203,16 @@ class H2ServerConnection(H2Driver):
             while await self.stream.receive_some(65536):
                 pass
 
+    def _bad_preface(self) -> None:
+        """Not the client preface (RFC 9113 3.4): GOAWAY(PROTOCOL_ERROR), after our SETTINGS, and close.
+
+        (h2 would raise without queueing a GOAWAY: it checks the preface
+        outside its error handling.)
+        """
+        log.debug("invalid HTTP/2 preface from %s", self.client)
+        self.h2.close_connection(error_code=_PROTOCOL_ERROR)
+        self.mark_closed()
+
     def _receive(self, data: bytes | bytearray) -> None:
         try:
             events = self.h2.receive_data(data)
@@ -190,7 +229,9 @@ class H2ServerConnection(H2Driver):
 
     def _on_request(self, ev: Any) -> None:
         sid: int = ev.stream_id
-        if self._last_stream_id is not None and sid > self._last_stream_id:
+        if len(self.streams) >= self.max_streams or (self._last_stream_id is not None and sid > self._last_stream_id):
+            # Past SETTINGS_MAX_CONCURRENT_STREAMS (a stream error, RFC 9113 5.1.2), or
+            # after our final GOAWAY: refused, which tells the client it may retry it.
             self.h2.reset_stream(sid, _REFUSED)
             return
         st = H2Stream(sid)

@@ -44,7 +44,7 @@ _PSEUDO = {
 
 
 def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None) -> None:
-    """431 for a head over ``max_size`` (RFC 7541 4.1's count) or with more than ``max_count`` fields.
+    """431 for a head over ``max_size`` (RFC 9113 6.5.2's count) or with more than ``max_count`` fields.
 
     Pseudo-headers are not fields: an h2 head and the same request over h1
     (where ``host`` is a field) meet the same count.
@@ -88,10 +88,11 @@ def validate_request_head(
 ) -> int | None:
     """Fill ``request`` from an h2 header block, checking it; return the declared length.
 
-    ``max_size`` caps the header list as RFC 7541 4.1 counts it (each field's
-    name and value plus 32), and ``max_count`` (when given) the number of
-    regular fields: past either, 431, so that no later hop, whose decoder
-    holds the same cap, ever sees a head it would refuse.
+    ``max_size`` caps the header list as SETTINGS_MAX_HEADER_LIST_SIZE
+    counts it (RFC 9113 6.5.2: each field's name and value plus 32,
+    pseudo-headers included), and ``max_count`` (when given) the number of
+    regular fields: past either, 431, so that no later hop (whose limit is
+    higher: ``INTERNAL_LISTENER``) ever sees a head it would refuse.
 
     With ``connect_protocol`` (the listener advertised
     ``SETTINGS_ENABLE_CONNECT_PROTOCOL``), an extended CONNECT (RFC 8441) is

@@ -4,8 +4,10 @@
 (``async def handler(request) -> Response``). Every connection is sniffed
 once: TLS connections pick their protocol by ALPN (``h2`` or
 ``http/1.1``); cleartext ones that open with the HTTP/2 preface are h2c
-(prior knowledge), anything else is HTTP/1.1 through h11. Both protocols
-produce the same :class:`~blocks.http.Request`.
+(prior knowledge), anything else is HTTP/1.1 through h11. Bytes that begin
+like the preface (``PRI *``) and then leave it are a broken HTTP/2 preface,
+answered in HTTP/2: GOAWAY(PROTOCOL_ERROR). Both protocols produce the same
+:class:`~blocks.http.Request`.
 
 Guarantees:
 
@@ -33,14 +35,18 @@ import trio
 from blocks.http import Handler
 from blocks.transport._h1server import serve_h1
 from blocks.transport._h2 import H2ConnectionStatistics, Relay
-from blocks.transport._h2server import H2ServerConnection
+from blocks.transport._h2server import PREFACE, H2ServerConnection
 
 if TYPE_CHECKING:
     from blocks.transport.multiplexer import Upstreams
 
 log = logging.getLogger("blocks.listener")
 
-_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Where a cleartext connection becomes HTTP/2: the preface, or bytes that begin like
+# it and then leave it (a broken preface, which the h2 side refuses with
+# GOAWAY(PROTOCOL_ERROR), RFC 9113 3.4). No HTTP/1.1 request begins so: PRI is
+# the preface's method alone (RFC 9113 11.6), and only OPTIONS takes the target "*".
+_H2_START = b"PRI *"
 
 
 def _none_or_at_least(minimum: float) -> Any:
@@ -241,16 +247,16 @@ class _Connection:
         else:
             scheme = b"http"
             with trio.move_on_after(config.first_bytes_timeout) as sniffing:
-                while len(initial) < len(_H2_PREFACE):
+                while len(initial) < len(PREFACE):
                     data = await transport.receive_some(65536)
                     if not data:
                         return
                     initial += data
-                    if not _H2_PREFACE.startswith(initial[: len(_H2_PREFACE)]):
+                    if not PREFACE.startswith(initial[: len(PREFACE)]):
                         break
-            if not initial or (sniffing.cancelled_caught and _H2_PREFACE.startswith(initial)):
+            if not initial or (sniffing.cancelled_caught and PREFACE.startswith(initial)):
                 return  # nothing, or a preface too slow to finish: close silently
-            is_h2 = initial.startswith(_H2_PREFACE)
+            is_h2 = initial.startswith(_H2_START)  # the preface, or a broken one (the h2 side refuses it)
         if is_h2:
             self.proto = H2ServerConnection(
                 transport,
