@@ -35,7 +35,8 @@ import trio
 from blocks.http import Handler
 from blocks.transport._h1server import serve_h1
 from blocks.transport._h2 import H2ConnectionStatistics, Relay
-from blocks.transport._h2server import PREFACE, H2ServerConnection
+from blocks.transport._h2server import PREFACE as _PREFACE
+from blocks.transport._h2server import H2ServerConnection
 
 if TYPE_CHECKING:
     from blocks.transport.multiplexer import Upstreams
@@ -247,14 +248,14 @@ class _Connection:
         else:
             scheme = b"http"
             with trio.move_on_after(config.first_bytes_timeout) as sniffing:
-                while len(initial) < len(PREFACE):
+                while len(initial) < len(_PREFACE):
                     data = await transport.receive_some(65536)
                     if not data:
                         return
                     initial += data
-                    if not PREFACE.startswith(initial[: len(PREFACE)]):
+                    if not _PREFACE.startswith(initial[: len(_PREFACE)]):
                         break
-            if not initial or (sniffing.cancelled_caught and PREFACE.startswith(initial)):
+            if not initial or (sniffing.cancelled_caught and _PREFACE.startswith(initial)):
                 return  # nothing, or a preface too slow to finish: close silently
             is_h2 = initial.startswith(_H2_START)  # the preface, or a broken one (the h2 side refuses it)
         if is_h2:
