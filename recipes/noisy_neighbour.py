@@ -34,9 +34,10 @@ from blocks.testing import SLEEP_20MS, TenantLoad, flood, steady
 
 SCHEDULER = SchedulerConfig(
     budget=8,
-    default_policy=TenantPolicy(max_in_flight=6, max_queued=128, queue_timeout=0.5, retry_after=1.0),
+    default_policy=TenantPolicy(max_in_flight=6, max_queued=128, queue_timeout=2.0, retry_after=1.0),
 )
-"""8 proxy -> worker slots, at most 6 to one tenant; 128 may wait 0.5 s.
+"""8 proxy -> worker slots, at most 6 to one tenant; 128 may wait 2 s (a quiet tenant waits one turn,
+which a busy machine stretches).
 
 Sized to what the demo chain serves, as a budget must be: 8 slots of a
 20 ms request are about 400 requests a second, well inside what four

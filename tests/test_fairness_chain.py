@@ -407,7 +407,7 @@ async def test_admission_keeps_the_fast_path_while_a_slot_is_free(nursery: trio.
 async def test_noisy_neighbour_recipe_refuses_the_flood_and_serves_the_quiet_tenant() -> None:
     # The recipe's SCHEDULER holds up to max_in_flight + max_queued of one tenant's requests, so
     # only a flood larger than that is sure to be refused (429) whatever the machine's speed; a flood that fits
-    # within its queue may all be served before the 0.5 s queue timeout (then noisy sees only 200s).
+    # within its queue may all be served before the queue timeout (then noisy sees only 200s).
     policy = recipes.noisy_neighbour.SCHEDULER.default_policy
     assert policy.max_in_flight is not None
     flood = policy.max_in_flight + policy.max_queued + 40

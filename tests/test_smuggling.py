@@ -21,6 +21,7 @@ import functools
 
 import attrs
 import h2.errors
+import h2.exceptions
 import h11
 import pytest
 import trio
@@ -521,7 +522,10 @@ async def send_mismatched(client: RawH2Client, lengths: list[bytes], frames: lis
     head = client.head(b"POST", b"/bad", *[(b"content-length", length) for length in lengths])
     sid = await client.start(head, end_stream=False)
     for i, data in enumerate(frames):
-        await client.send(sid, data, end_stream=i == len(frames) - 1)
+        try:
+            await client.send(sid, data, end_stream=i == len(frames) - 1)
+        except h2.exceptions.StreamClosedError:
+            break  # the edge reset the stream at the frame that made it malformed: what collect reads
     return await client.collect(sid)
 
 
