@@ -859,30 +859,28 @@ async def test_tls_handshake_timeout_closes_a_silent_client(
                 await stream.send_all(b"GET / HTTP/1.1\r\nhost: localhost\r\n\r\n")
                 assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200 OK")
         else:
+            started = trio.current_time()  # before the server's timer can start
             async with await trio.open_tcp_stream(HOST, server.port) as plain:
-                started = trio.current_time()
                 assert await plain.receive_some(65536) == b""
-                assert trio.current_time() - started >= 0.5 * 0.9
+                assert trio.current_time() - started >= 0.5  # not dropped before its timeout
 
 
-@pytest.mark.parametrize(("client_closes", "close_timeout"), [(True, 5.0), (False, 0.5)])
+@pytest.mark.parametrize(("client_closes", "close_timeout"), [(True, 3600.0), (False, 0.5)])
 async def test_close_timeout_bounds_a_closing_connection(
     nursery: trio.Nursery, client_closes: bool, close_timeout: float
 ) -> None:
     """After its GOAWAY the server half-closes and waits for the client to close: one that does is
-    gone at once (well within a ``close_timeout`` of 5 s), one that stays is dropped at the timeout."""
+    gone without waiting out the timeout (an hour here: the test's own bound is ten seconds), one that
+    stays is dropped at the timeout, not before."""
     with trio.fail_after(10):
         server, _ = await listen(nursery, close_timeout=close_timeout)
+        started = trio.current_time()  # before the server's timer can start
         async with await trio.open_tcp_stream(HOST, server.port) as stream:
             raw = Client(stream)
             await raw.send(b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n")
             await closed_with(raw, E.PROTOCOL_ERROR)  # up to the server's half-close
-            started = trio.current_time()
             if client_closes:
                 await stream.aclose()
             await wait_for(lambda: server.statistics().connections == 0)
-            elapsed = trio.current_time() - started
-        if client_closes:
-            assert elapsed < close_timeout
-        else:
-            assert elapsed >= close_timeout * 0.9
+        if not client_closes:
+            assert trio.current_time() - started >= close_timeout
