@@ -1,4 +1,5 @@
-"""HTTP/1.1 limits at a listener: the header clock, the idle clock, the field count, the body limit.
+"""HTTP/1.1 limits at a listener: the header clock, the idle clock, the field count, the body limit,
+and the authority of a request without Host.
 
 - A head must be complete within ``h1_header_timeout`` of its first byte
   (of the connection's start for the first one): a slowloris gets 408.
@@ -8,6 +9,8 @@
 - A body over ``max_request_body``: 413 before the handler runs when the
   length is declared; when a chunked body crosses it, the body raises
   ``PayloadTooLarge`` and nobody downstream sees more than the limit.
+- HTTP/1.0 without ``Host``: the listener's own address, or
+  ``default_authority``; HTTP/1.1 without one stays 400.
 
 Rules: loopback only, port 0, every test bounded by ``trio.fail_after``. The
 clocks are real, with short timeouts; every bound set here is far above the
@@ -329,3 +332,63 @@ async def test_a_body_that_trickles_past_request_body_timeout_gets_408(nursery: 
         assert status_of(reply) == 408
         assert trio.current_time() - started >= 1.0
         assert handler.received and handler.received[0] < 100
+
+
+# -- HTTP/1.0 without Host ---------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Authorities:
+    """Answers ``200`` with the request's authority, and keeps them."""
+
+    seen: list[bytes] = attrs.field(factory=list)
+
+    async def __call__(self, request: Request) -> Response:
+        self.seen.append(request.authority)
+        return text_response(200, request.authority.decode())
+
+
+@pytest.mark.parametrize(
+    ("default", "expected"),
+    [pytest.param(None, None, id="its-address"), pytest.param("Site.Test:8080", b"site.test:8080", id="configured")],
+)
+async def test_http10_without_host_gets_the_default_authority(
+    nursery: trio.Nursery, default: str | None, expected: bytes | None
+) -> None:
+    with trio.fail_after(10):
+        handler = Authorities()
+        server: HTTPServer = await nursery.start(
+            functools.partial(serve_http, handler, config=ListenerConfig(default_authority=default))
+        )
+        expected = expected or f"{HOST}:{server.port}".encode()
+        reply = await exchange(server.port, b"GET / HTTP/1.0\r\n\r\n")
+        assert reply.status == 200
+        assert reply.replies[0].body == expected
+        named = await exchange(server.port, b"GET / HTTP/1.0\r\nhost: named.test\r\n\r\n")
+        assert named.replies[0].body == b"named.test"  # a Host, when there is one, wins
+        for refused in [
+            b"GET / HTTP/1.1\r\n\r\n",  # HTTP/1.1 must send Host (RFC 9112 3.2)
+            b"GET / HTTP/1.1\r\nhost:\r\n\r\n",
+            b"GET http:///x HTTP/1.0\r\n\r\n",  # an http URI with an empty host (RFC 9110 4.2.1)
+        ]:
+            result = await exchange(server.port, refused)
+            assert result.status == 400, refused
+            assert result.replies[0].header(b"connection") == b"close"
+    assert handler.seen == [expected, b"named.test"]
+
+
+def test_default_authority_must_be_a_plain_authority() -> None:
+    assert ListenerConfig(default_authority="a.test").default_authority == "a.test"
+    for bad in ["user@a.test", "a.test/x", "a b", "a.test:1:2", "", "é.test"]:
+        with pytest.raises(ValueError, match="default_authority"):
+            ListenerConfig(default_authority=bad)
+
+
+async def test_http10_without_host_is_routed_through_the_chain(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        chain = await assemble(nursery)  # routes "*": any authority, the edge's own address too
+        reply = await exchange(chain.port, b"GET / HTTP/1.0\r\n\r\n")
+        assert reply.status == 200
+        assert reply.replies[0].body == b"hello from replica-0\n"
+        assert (await exchange(chain.port, b"GET / HTTP/1.1\r\n\r\n")).status == 400
+    assert chain.worker.statistics().served == {"replica-0": 1}

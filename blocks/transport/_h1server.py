@@ -11,10 +11,12 @@ What an h1 request must be to get past here, on top of h11's syntax checks,
 because this is where h1 framing ends and every later hop re-frames the
 request (RFC 9112 6.3, 11.2): one framing (``content-length`` or
 ``transfer-encoding: chunked``, never both), no obs-fold, one
-``host[:port]`` authority (an absolute-form target's wins over ``Host``), an
-origin-form target (or ``*`` for ``OPTIONS``), a head within the size and
-field-count caps, a body within ``max_request_body``. A request that fails
-is answered here and never handed on, and its connection is closed.
+``host[:port]`` authority (an absolute-form target's wins over ``Host``; an
+HTTP/1.0 request may have neither, and gets ``default_authority``, else the
+address the client reached), an origin-form target (or ``*`` for
+``OPTIONS``), a head within the size and field-count caps, a body within
+``max_request_body``. A request that fails is answered here and never handed
+on, and its connection is closed.
 
 Two clocks bound a head (slowloris): a kept-alive connection waits at most
 ``h1_idle_timeout`` for the first byte of its next request, and a head must
@@ -163,6 +165,7 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
     if method == b"CONNECT":
         raise BadRequest("CONNECT is not supported", status=501)  # as on h2
     target = event.target
+    absolute = None
     if target[:1] != b"/":
         absolute = _ABSOLUTE.match(target)
         if absolute is not None:
@@ -179,7 +182,10 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
     if target != b"*" and not _PATH.match(target):
         raise BadRequest("bad request target")
     if not authority:
-        raise BadRequest("no host")
+        # Host is HTTP/1.1's (RFC 9112 3.2); an http URI with an empty host is invalid (RFC 9110 4.2.1).
+        if event.http_version != b"1.0" or absolute is not None:
+            raise BadRequest("no host")
+        authority = _default_authority(reader.stream, config)
     authority = check_authority(authority)
     limit = config.max_request_body
     if length is not None and limit is not None and length > limit:
@@ -223,6 +229,23 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
         Timing(),
         wire=wire,
     )
+
+
+def _default_authority(stream: trio.abc.Stream, config: ListenerConfig) -> bytes:
+    """The authority of an HTTP/1.0 request that names none: the configured one, else the
+    address the client reached (``IP:PORT``, the listening socket's own end)."""
+    if config.default_authority is not None:
+        return config.default_authority.encode("ascii")
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    if not isinstance(stream, trio.SocketStream):
+        raise BadRequest("no host")
+    try:
+        host, port = stream.socket.getsockname()[:2]
+    except (OSError, ValueError) as exc:
+        raise BadRequest("no host") from exc
+    host = str(host).partition("%")[0]  # an IPv6 zone is no part of an authority
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("ascii")
 
 
 class H1TunnelBody(Body):
