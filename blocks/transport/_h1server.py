@@ -14,9 +14,10 @@ request (RFC 9112 6.3, 11.2): one framing (``content-length`` or
 ``host[:port]`` authority (an absolute-form target's wins over ``Host``; an
 HTTP/1.0 request may have neither, and gets ``default_authority``, else the
 address the client reached), an origin-form target (or ``*`` for
-``OPTIONS``), a head within the size and field-count caps, a body within
-``max_request_body``. A request that fails is answered here and never handed
-on, and its connection is closed.
+``OPTIONS``) within ``max_target`` (else 414), a head within the size and
+field-count caps (the target counted in, as h2 carries it on as ``:path``),
+a body within ``max_request_body``. A request that fails is answered here
+and never handed on, and its connection is closed.
 
 Two clocks bound a head (slowloris): a kept-alive connection waits at most
 ``h1_idle_timeout`` for the first byte of its next request, and a head must
@@ -65,7 +66,7 @@ from blocks.http import (
 from blocks.timing import Timing
 from blocks.transport._h1 import H1Body, H1Stream
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, valid_key
-from blocks.transport._validate import check_authority, check_header_list_size, upgrade_required
+from blocks.transport._validate import check_authority, check_header_list_size, target_too_long, upgrade_required
 
 if TYPE_CHECKING:
     from blocks.transport.listener import ListenerConfig
@@ -141,7 +142,16 @@ class H1RequestBody(H1Body):
 
 
 def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: bytes, config: ListenerConfig) -> Request:
-    check_header_list_size(event.headers, config.max_header_list_size, config.max_header_count)  # type: ignore[arg-type]
+    target = event.target
+    if len(target) > config.max_target:
+        raise target_too_long(target, config.max_target)
+    # The target counts as h2 carries it on (":path" and 32), so a head taken here fits every hop's cap.
+    check_header_list_size(
+        event.headers,  # type: ignore[arg-type]
+        config.max_header_list_size,
+        config.max_header_count,
+        len(target) + 37,
+    )
     headers: Headers = []
     authority = b""
     length: int | None = None
@@ -164,7 +174,6 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
     method = event.method
     if method == b"CONNECT":
         raise BadRequest("CONNECT is not supported", status=501)  # as on h2
-    target = event.target
     absolute = None
     if target[:1] != b"/":
         absolute = _ABSOLUTE.match(target)
@@ -386,6 +395,9 @@ async def _read_head(reader: H1Stream, config: ListenerConfig, drain: Any, *, fi
                 if event is h11.NEED_DATA:
                     return None, (408 if raw else None)
         except h11.RemoteProtocolError as exc:
+            if exc.error_status_hint == 431 and b"\n" not in raw:
+                # h11's buffer filled up inside the request line: its target alone is over the cap.
+                return None, 414
             return None, exc.error_status_hint
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return None, None

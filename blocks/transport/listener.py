@@ -114,6 +114,10 @@ class ListenerConfig:
     hop: str | None = None
     """The hop this listener serves (each hop sets its name): the listener's own answers to a
     malformed request or a refused upload carry ``proxyblocks-error: REASON; hop=NAME``."""
+    max_target: int = attrs.field(default=16 * 1024, validator=attrs.validators.ge(1024))
+    """The longest request target (h1, as on the request line) or ``:path`` (h2) taken: a longer
+    one is answered 414 (nginx answers past 8 KiB, a CDN past 16 KiB). A target also counts
+    against ``max_header_list_size``, as h2 counts ``:path``, so what passes fits every hop."""
     default_authority: str | None = attrs.field(default=None, validator=_optional_authority)
     """The authority of an HTTP/1.0 request without ``Host`` (RFC 9112 3.2 asks it only of
     HTTP/1.1): ``host[:port]``. ``None``: the address the client reached, ``IP:PORT``."""
