@@ -1,5 +1,5 @@
 """HTTP/1.1 limits at a listener: the header clock, the idle clock, the field count, the body limit,
-the target's length, and the authority of a request without Host.
+the target's length, the stall clock of a response, and the authority of a request without Host.
 
 - A head must be complete within ``h1_header_timeout`` of its first byte
   (of the connection's start for the first one): a slowloris gets 408.
@@ -11,6 +11,9 @@ the target's length, and the authority of a request without Host.
   ``PayloadTooLarge`` and nobody downstream sees more than the limit.
 - A target over ``max_target``: 414 at the edge (an h2 ``:path`` too, on its
   stream alone), and a head the edge takes fits every hop behind it.
+- A response write that makes no progress for ``stall_timeout``: the
+  connection ends and the replica's stream is cancelled; a client that
+  keeps reading, however slowly, is not cut.
 - HTTP/1.0 without ``Host``: the listener's own address, or
   ``default_authority``; HTTP/1.1 without one stays 400.
 
@@ -22,6 +25,8 @@ timeout under test, and no assertion is on speed.
 from __future__ import annotations
 
 import functools
+import socket
+from collections.abc import AsyncIterator
 
 import attrs
 import h2.events
@@ -31,7 +36,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import HOST, RawFrames, RawH2Client, assemble, assemble_local
+from support import HOST, RawFrames, RawH2Client, assemble, assemble_local, wait_for
 from test_smuggling import RecordingReplica, exchange, start_recording_replica
 
 from blocks import (
@@ -40,7 +45,9 @@ from blocks import (
     Chain,
     EdgeConfig,
     HTTPServer,
+    IterBody,
     ListenerConfig,
+    LocalReplica,
     PayloadTooLarge,
     Request,
     Response,
@@ -490,6 +497,157 @@ def test_h2_a_path_is_414_past_max_target_whatever_else_is_over(target: int, val
         return
     assert target <= CONFIG.max_target
     assert request.path == path
+
+
+# -- the stall clock of a response ------------------------------------------------------------------
+
+STALL = 1.0
+CHUNK = b"x" * 65536
+CHUNKS = 1024  # 64 MiB: far more than every buffer between the replica and the client holds
+
+
+@attrs.define(eq=False)
+class Streamer:
+    """A replica: ``/big`` streams 64 MiB and notes whether the chain cancelled it; anything else is ``ok``."""
+
+    cancelled: trio.Event = attrs.field(factory=trio.Event)
+    yielded: int = 0
+
+    async def __call__(self, request: Request) -> Response:
+        if request.path != b"/big":
+            return text_response(200, "ok\n")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                for _ in range(CHUNKS):
+                    yield CHUNK
+                    self.yielded += 1
+            except BaseException:
+                self.cancelled.set()
+                raise
+
+        return Response(200, [], IterBody(chunks()))
+
+
+async def stalling_edge(nursery: trio.Nursery) -> tuple[Streamer, HTTPServer]:
+    """A :class:`Streamer` behind a chain, and an edge in front of it with ``stall_timeout=STALL``."""
+    streamer = Streamer()
+    replica = await nursery.start(functools.partial(serve_http, streamer))
+    chain = await assemble_local(nursery, {"r0": LocalReplica((HOST, replica.port), "h2")})
+    edge: HTTPServer = await nursery.start(
+        functools.partial(
+            serve_edge,
+            EdgeConfig(proxy=(HOST, chain.proxy_server.port)),
+            listener=ListenerConfig(stall_timeout=STALL),
+        )
+    )
+    return streamer, edge
+
+
+async def open_small_window(port: int) -> trio.SocketStream:
+    """A client connection with a small receive buffer (4 KiB, set before connecting)."""
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((HOST, port))
+    return trio.SocketStream(sock)
+
+
+BIG = b"GET /big HTTP/1.1\r\nhost: a.test\r\n\r\n"
+
+
+async def test_an_h1_client_that_stops_reading_is_cut_and_the_replica_stream_cancelled(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(20):
+        streamer, edge = await stalling_edge(nursery)
+        async with await open_small_window(edge.port) as stream:
+            await stream.send_all(BIG)
+            asked = trio.current_time()
+            await streamer.cancelled.wait()  # through edge, proxy and worker: the replica's stream
+            assert trio.current_time() - asked >= STALL
+            await wait_for(lambda: edge.statistics().connections == 0, "the edge still holds the connection")
+            reply = await read_to_close(stream)  # what the buffers held, then the end
+        assert status_of(reply) == 200
+        assert not reply.endswith(b"\r\n0\r\n\r\n"), "the body was cut: no last chunk"
+        assert streamer.yielded < CHUNKS
+        ok = await exchange(edge.port, b"GET / HTTP/1.1\r\nhost: a.test\r\nconnection: close\r\n\r\n")
+        assert ok.status == 200  # nothing else noticed
+
+
+async def test_an_h1_client_that_keeps_reading_is_not_cut(nursery: trio.Nursery) -> None:
+    """A reader that takes its response in small bites for three times ``stall_timeout`` keeps it;
+    once it stops, it is cut."""
+    with trio.fail_after(30):
+        streamer, edge = await stalling_edge(nursery)
+        async with await trio.open_tcp_stream(HOST, edge.port) as stream:
+            await stream.send_all(BIG)
+            reading = trio.current_time()
+            received = 0
+            while trio.current_time() - reading < 3 * STALL:
+                data = await stream.receive_some(65536)
+                assert data, f"cut after {received} bytes"
+                received += len(data)
+                await trio.sleep(0.02)  # the pace of a slow reader
+            assert not streamer.cancelled.is_set()
+            assert edge.statistics().connections == 1
+            await streamer.cancelled.wait()  # it stopped reading: now it is cut
+            await wait_for(lambda: edge.statistics().connections == 0, "the edge still holds the connection")
+        assert streamer.yielded < CHUNKS
+
+
+async def big_answer(request: Request) -> Response:
+    return text_response(200, "x" * (16 * 1024 * 1024))  # one write, far more than the buffers hold
+
+
+async def test_a_client_that_does_not_read_a_big_answer_is_cut(nursery: trio.Nursery) -> None:
+    """The first write stalls (the deadline keeps its time; a long stream's is a watchdog's, above)."""
+    with trio.fail_after(20):
+        server: HTTPServer = await nursery.start(
+            functools.partial(serve_http, big_answer, config=ListenerConfig(stall_timeout=STALL))
+        )
+        async with await open_small_window(server.port) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: a.test\r\n\r\n")
+            asked = trio.current_time()
+            await wait_for(lambda: server.statistics().accepted == 1, "the listener never took the connection")
+            await wait_for(lambda: server.statistics().connections == 0, "the listener still holds the connection")
+            assert trio.current_time() - asked >= STALL
+            reply = await read_to_close(stream)
+        assert status_of(reply) == 200
+        assert len(reply) < 16 * 1024 * 1024
+
+
+@attrs.define(eq=False)
+class Quiet:
+    """Streams ``first``, then nothing until ``go`` is set, then ``last``."""
+
+    go: trio.Event = attrs.field(factory=trio.Event)
+
+    async def __call__(self, request: Request) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b"first\n"
+            await self.go.wait()
+            yield b"last\n"
+
+        return Response(200, [], IterBody(chunks()))
+
+
+async def test_a_response_that_is_quiet_for_longer_than_stall_timeout_is_not_cut(nursery: trio.Nursery) -> None:
+    """The stall clock runs only while a write waits: a body with nothing to send (an event
+    stream between events) keeps its connection however long it is quiet."""
+    with trio.fail_after(10):
+        quiet = Quiet()
+        server: HTTPServer = await nursery.start(
+            functools.partial(serve_http, quiet, config=ListenerConfig(stall_timeout=0.2))
+        )
+        async with await trio.open_tcp_stream(HOST, server.port) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: a.test\r\nconnection: close\r\n\r\n")
+            reply = b""
+            while b"first" not in reply:
+                reply += await stream.receive_some(65536)
+            await trio.sleep(1.0)  # five stall timeouts without a byte to send
+            quiet.go.set()
+            reply += await read_to_close(stream)
+        assert reply.endswith(b"first\n\r\n5\r\nlast\n\r\n0\r\n\r\n")
 
 
 # -- HTTP/1.0 without Host ---------------------------------------------------------------------------
