@@ -461,15 +461,31 @@ def json_response(status: int, body: bytes) -> Response:
     return Response(status, headers, BytesBody(body))
 
 
+_TEXT_PLAIN = (b"content-type", b"text/plain; charset=utf-8")
+
+
 def text_response(status: int, text: str, headers: Headers | None = None) -> Response:
-    """A small text response (error pages, demo endpoints): ``text/plain`` unless ``headers`` name
-    another ``content-type``, and a ``content-length``."""
+    """A small text response (error pages, demo endpoints), with its ``content-length`` and ``headers``.
+
+    One of each, whatever ``headers`` hold: a ``content-type`` there replaces
+    ``text/plain; charset=utf-8`` (the last one, if several), and a
+    ``content-length`` there is dropped, since only the text's own length
+    frames it. Names are matched, and passed on, in lowercase.
+    """
     data = text.encode()
-    head: Headers = [(b"content-length", b"%d" % len(data))]
-    if headers:
-        head.extend(headers)
-    if not headers or all(name != b"content-type" for name, _ in headers):
-        head.insert(0, (b"content-type", b"text/plain; charset=utf-8"))
+    length = (b"content-length", b"%d" % len(data))
+    if not headers:
+        return Response(status, [_TEXT_PLAIN, length], BytesBody(data))
+    kind = _TEXT_PLAIN
+    head: Headers = [length]
+    for field in headers:
+        lower = field[0].lower()
+        given = field if lower == field[0] else (lower, field[1])  # (as given: a never-indexed field stays one)
+        if lower == b"content-type":
+            kind = given
+        elif lower != b"content-length":
+            head.append(given)
+    head.insert(0, kind)
     return Response(status, head, BytesBody(data))
 
 

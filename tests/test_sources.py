@@ -806,8 +806,10 @@ async def test_routectl_edits_a_route_file_that_a_store_follows(tmp_path: Path, 
             )  # fmt: skip
             assert code == 0, err
             assert (await routectl("--store", str(path), "delete", "domains/chat.example"))[0] == 0
-            await wait_until(lambda: store.get("apps/chat/replicas/r2") is not None)
-            assert store.get("domains/chat.example") is None
+            # Two edits, and a poll may land between them: wait for the state after both.
+            await wait_until(
+                lambda: store.get("apps/chat/replicas/r2") is not None and store.get("domains/chat.example") is None
+            )
             nursery.cancel_scope.cancel()
 
         code, out, err = await routectl("--store", str(path), "list")

@@ -538,6 +538,7 @@ INTERNAL_LISTENER = ListenerConfig(
     validate=False,
     max_concurrent_streams=1000,
     max_header_list_size=256 * 1024,
+    max_target=256 * 1024,
     max_request_body=None,
     max_client_resets=None,
     flood_limit=None,
@@ -547,5 +548,6 @@ INTERNAL_LISTENER = ListenerConfig(
 
 Its header-list cap is well above the edge's, so the fields hops add on the
 way (``via``, ``x-forwarded-*``, the replica name) never tip a head the edge
-accepted over a later hop's limit.
+accepted over a later hop's limit; nor does its target cap refuse a target
+(at most the edge's ``max_target``) that the edge let through.
 """

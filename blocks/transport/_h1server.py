@@ -11,15 +11,22 @@ What an h1 request must be to get past here, on top of h11's syntax checks,
 because this is where h1 framing ends and every later hop re-frames the
 request (RFC 9112 6.3, 11.2): one framing (``content-length`` or
 ``transfer-encoding: chunked``, never both), no obs-fold, one
-``host[:port]`` authority (an absolute-form target's wins over ``Host``), an
-origin-form target (or ``*`` for ``OPTIONS``), a head within the size and
-field-count caps, a body within ``max_request_body``. A request that fails
-is answered here and never handed on, and its connection is closed.
+``host[:port]`` authority (an absolute-form target's wins over ``Host``; an
+HTTP/1.0 request may have neither, and gets ``default_authority``, else the
+address the client reached), an origin-form target (or ``*`` for
+``OPTIONS``) within ``max_target`` (else 414), a head within the size and
+field-count caps (the target counted in, as h2 carries it on as ``:path``),
+a body within ``max_request_body``. A request that fails is answered here
+and never handed on, and its connection is closed.
 
 Two clocks bound a head (slowloris): a kept-alive connection waits at most
 ``h1_idle_timeout`` for the first byte of its next request, and a head must
 be complete within ``h1_header_timeout`` of its first byte (of the
-connection's start for the first request), else 408.
+connection's start for the first request), else 408. One bounds a response:
+a write that makes no progress for ``stall_timeout`` (a client that stopped
+reading) ends the connection, and the response body is abandoned, which
+cancels whatever feeds it upstream. That clock runs only while a write
+waits, and restarts with every piece written (``_PIECE``).
 
 WebSockets (RFC 6455). A bodiless request with ``Upgrade: websocket`` is
 checked here (``GET``, HTTP/1.1, ``Connection: upgrade``, version 13 else
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import http
 import logging
+import math
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -44,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 
+from blocks._sync import one_error
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import (
     HOP_BY_HOP,
@@ -63,7 +72,7 @@ from blocks.http import (
 from blocks.timing import Timing
 from blocks.transport._h1 import H1Body, H1Stream
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, accept_token, comma_tokens, valid_key
-from blocks.transport._validate import check_authority, check_header_list_size, upgrade_required
+from blocks.transport._validate import check_authority, check_header_list_size, target_too_long, upgrade_required
 
 if TYPE_CHECKING:
     from blocks.transport.listener import ListenerConfig
@@ -82,6 +91,15 @@ _ABSOLUTE = re.compile(rb"([A-Za-z][A-Za-z0-9+\-.]*)://([^/?#]*)(.*)\Z", re.DOTA
 _LINGER_SECONDS = 10.0
 _LINGER_IDLE = 1.0
 _LINGER_BYTES = 64 * 1024 * 1024
+# A write to a client is on the stall clock (stall_timeout, see _Clock), which
+# restarts with every piece of at most _PIECE bytes written: a reader that
+# takes a piece per stall_timeout is never cut, and a big chunk is no one long
+# write. A response's first _DEADLINE_WRITES writes are timed by moving a
+# deadline (two moves a write, each about half a checkpoint); a longer one is
+# watched by a task from there on (a nursery and a task once, about a dozen
+# checkpoints, then two attribute writes a write).
+_PIECE = 64 * 1024
+_DEADLINE_WRITES = 16
 # Where h11 holds a request that asked to Upgrade (a documented state, left out of h11.__all__).
 _MIGHT_SWITCH = h11.MIGHT_SWITCH_PROTOCOL  # type: ignore[attr-defined]
 
@@ -139,7 +157,16 @@ class H1RequestBody(H1Body):
 
 
 def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: bytes, config: ListenerConfig) -> Request:
-    check_header_list_size(event.headers, config.max_header_list_size, config.max_header_count)  # type: ignore[arg-type]
+    target = event.target
+    if len(target) > config.max_target:
+        raise target_too_long(target, config.max_target)
+    # The target counts as h2 carries it on (":path" and 32), so a head taken here fits every hop's cap.
+    check_header_list_size(
+        event.headers,  # type: ignore[arg-type]
+        config.max_header_list_size,
+        config.max_header_count,
+        len(target) + 37,
+    )
     headers: Headers = []
     authority = b""
     length: int | None = None
@@ -162,7 +189,7 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
     method = event.method
     if method == b"CONNECT":
         raise BadRequest("CONNECT is not supported", status=501)  # as on h2
-    target = event.target
+    absolute = None
     if target[:1] != b"/":
         absolute = _ABSOLUTE.match(target)
         if absolute is not None:
@@ -179,7 +206,10 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
     if target != b"*" and not _PATH.match(target):
         raise BadRequest("bad request target")
     if not authority:
-        raise BadRequest("no host")
+        # Host is HTTP/1.1's (RFC 9112 3.2); an http URI with an empty host is invalid (RFC 9110 4.2.1).
+        if event.http_version != b"1.0" or absolute is not None:
+            raise BadRequest("no host")
+        authority = _default_authority(reader.stream, config)
     authority = check_authority(authority)
     limit = config.max_request_body
     if length is not None and limit is not None and length > limit:
@@ -223,6 +253,23 @@ def _request_from(event: h11.Request, reader: H1Stream, client: str, scheme: byt
         Timing(),
         wire=wire,
     )
+
+
+def _default_authority(stream: trio.abc.Stream, config: ListenerConfig) -> bytes:
+    """The authority of an HTTP/1.0 request that names none: the configured one, else the
+    address the client reached (``IP:PORT``, the listening socket's own end)."""
+    if config.default_authority is not None:
+        return config.default_authority.encode("ascii")
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    if not isinstance(stream, trio.SocketStream):
+        raise BadRequest("no host")
+    try:
+        host, port = stream.socket.getsockname()[:2]
+    except (OSError, ValueError) as exc:
+        raise BadRequest("no host") from exc
+    host = str(host).partition("%")[0]  # an IPv6 zone is no part of an authority
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("ascii")
 
 
 class H1TunnelBody(Body):
@@ -326,7 +373,9 @@ def _response_head(response: Response, close: bool) -> h11.Response:
     return h11.Response(status_code=response.status, headers=headers, reason=reason)
 
 
-async def _read_head(reader: H1Stream, config: ListenerConfig, drain: Any, *, first: bool) -> tuple[Any, int | None]:
+async def _read_head(
+    reader: H1Stream, config: ListenerConfig, drain: Any, clock: _Clock, *, first: bool
+) -> tuple[Any, int | None]:
     """The next request head as an h11 event, or why there is none.
 
     Returns ``(event, None)``; ``(None, status)`` to answer ``status`` and
@@ -336,46 +385,52 @@ async def _read_head(reader: H1Stream, config: ListenerConfig, drain: Any, *, fi
     within ``h1_header_timeout``: if not, 408 if any of it came, a quiet
     close if none did. A drain cancels the wait, and what is half-read is
     not answered then.
+
+    The idle wait and the drain are the connection's own scope (the stall
+    clock's): its deadline, and its cancellation, which end the connection
+    quietly. That costs no scope of their own per request.
     """
     conn = reader.conn
     stream = reader.stream
+    scope = clock.scope
     # The head's raw bytes, for what h11 would silently accept: obs-fold.
     raw = bytearray(conn.trailing_data[0])
-    with trio.CancelScope() as waiting:
-        drain.idle_scope = waiting
-        try:
+    clock.reading = True
+    drain.idle_scope = scope
+    try:
+        event = conn.next_event()
+        if event is h11.NEED_DATA and not first and not raw:
+            scope.deadline = trio.current_time() + config.h1_idle_timeout
+            data = await stream.receive_some(65536)
+            scope.deadline = math.inf
+            raw += data
+            conn.receive_data(data)  # type: ignore[arg-type]  # b"": the client closed, h11 says so
             event = conn.next_event()
-            if event is h11.NEED_DATA and not first and not raw:
-                with trio.move_on_after(config.h1_idle_timeout) as idle:
+        if event is h11.NEED_DATA:
+            with trio.move_on_after(config.h1_header_timeout):
+                while event is h11.NEED_DATA:
                     data = await stream.receive_some(65536)
-                if idle.cancelled_caught:
-                    return None, None
-                raw += data
-                conn.receive_data(data)  # type: ignore[arg-type]  # b"": the client closed, h11 says so
-                event = conn.next_event()
+                    raw += data
+                    conn.receive_data(data)  # type: ignore[arg-type]
+                    event = conn.next_event()
             if event is h11.NEED_DATA:
-                with trio.move_on_after(config.h1_header_timeout):
-                    while event is h11.NEED_DATA:
-                        data = await stream.receive_some(65536)
-                        raw += data
-                        conn.receive_data(data)  # type: ignore[arg-type]
-                        event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    return None, (408 if raw else None)
-        except h11.RemoteProtocolError as exc:
-            return None, exc.error_status_hint
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return None, None
-        finally:
-            drain.idle_scope = None
-        if type(event) is h11.Request:
-            # h11 unfolds obs-fold (RFC 9112 5.2 allows that or a 400): refused
-            # here, so that no parser downstream ever has a fold to disagree on.
-            end = _END_OR_FOLD.search(raw)
-            if end is not None and end[0][1:2] in b" \t":
-                return None, 400
-        return event, None
-    return None, None  # drained while waiting
+                return None, (408 if raw else None)
+    except h11.RemoteProtocolError as exc:
+        if exc.error_status_hint == 431 and b"\n" not in raw:
+            # h11's buffer filled up inside the request line: its target alone is over the cap.
+            return None, 414
+        return None, exc.error_status_hint
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return None, None
+    finally:
+        drain.idle_scope = None
+    if type(event) is h11.Request:
+        # h11 unfolds obs-fold (RFC 9112 5.2 allows that or a 400): refused
+        # here, so that no parser downstream ever has a fold to disagree on.
+        end = _END_OR_FOLD.search(raw)
+        if end is not None and end[0][1:2] in b" \t":
+            return None, 400
+    return event, None
 
 
 async def _linger(stream: trio.abc.Stream, drain: Any) -> None:
@@ -429,64 +484,74 @@ async def serve_h1(
     if initial:
         conn.receive_data(initial)
     reader = H1Stream(stream, conn)
-    first = True
-    while True:
-        request: Request | None = None
-        if drain.draining and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
-            return
-        event, error = await _read_head(reader, config, drain, first=first)
-        error_headers: Headers | None = None
-        first = False
-        if type(event) is h11.ConnectionClosed or (event is None and error is None):
-            return
-        if type(event) is h11.Request:
-            try:
-                request = _request_from(event, reader, client, scheme, config)
-            except BlocksError as exc:
-                error = exc.status
-                error_headers = exc.headers
-            except ValueError:
-                error = 400
-        broken: int | None = None  # why the client's own upload broke, if it did
-        if request is not None:
-            response = await respond(handler, request)
-            if request.protocol is not None and response.status == 200:
-                await _serve_tunnel(stream, conn, request, response, config)
+    # The connection's scope: when the stall clock runs out (_Clock), the idle
+    # clock runs out or a drain comes between requests (_read_head), the
+    # connection ends here.
+    with trio.CancelScope() as scope:
+        clock = _Clock(scope, config.stall_timeout)
+        first = True
+        while True:
+            request: Request | None = None
+            if drain.draining and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
                 return
-            body = request.body
-            if type(body) is H1RequestBody and body.status is not None:
-                broken = body.status
-                # Nothing of the handler's answer has been sent: the client's
-                # fault is the answer, not what a relay made of the cut upload.
-                await abandon(response.body)
+            event, error = await _read_head(reader, config, drain, clock, first=first)
+            clock.reading = False
+            error_headers: Headers | None = None
+            first = False
+            if type(event) is h11.ConnectionClosed or (event is None and error is None):
+                return
+            if type(event) is h11.Request:
+                try:
+                    request = _request_from(event, reader, client, scheme, config)
+                except BlocksError as exc:
+                    error = exc.status
+                    error_headers = exc.headers
+                except ValueError:
+                    error = 400
+            broken: int | None = None  # why the client's own upload broke, if it did
+            if request is not None:
+                response = await respond(handler, request)
+                if request.protocol is not None and response.status == 200:
+                    await _serve_tunnel(stream, conn, request, response, config)
+                    return
+                body = request.body
+                if type(body) is H1RequestBody and body.status is not None:
+                    broken = body.status
+                    # Nothing of the handler's answer has been sent: the client's
+                    # fault is the answer, not what a relay made of the cut upload.
+                    await abandon(response.body)
+                    response.closed()
+                    response = error_response(broken, hop=config.hop)
+            else:
+                response = error_response(error or 400, error_headers, hop=config.hop)
+            if request is not None and request.method == b"HEAD" and not response.body.ended:
+                await response.body.aclose()
+                response.body = empty_body()
+            # (A refused upgrade closes too: the client may have sent tunnel bytes we will not read.)
+            close = drain.draining or request is None or broken is not None or request.protocol is not None
+            try:
+                await _send_response(
+                    stream, conn, response, close, request.wire if request is not None else None, clock
+                )
+            except (StreamReset, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            finally:
+                if not response.body.ended:
+                    await abandon(response.body)  # (a stall too: whatever feeds it upstream is cancelled)
                 response.closed()
-                response = error_response(broken, hop=config.hop)
-        else:
-            response = error_response(error or 400, error_headers, hop=config.hop)
-        if request is not None and request.method == b"HEAD" and not response.body.ended:
-            await response.body.aclose()
-            response.body = empty_body()
-        # (A refused upgrade closes too: the client may have sent tunnel bytes we will not read.)
-        close = drain.draining or request is None or broken is not None or request.protocol is not None
-        try:
-            await _send_response(stream, conn, response, close, request.wire if request is not None else None)
-        except (StreamReset, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            early = request is not None and not request.body.ended  # answered before the upload ended
+            if request is not None and early:
+                await request.body.aclose()  # (whoever relayed it stops here)
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not close:
+                conn.start_next_cycle()
+                continue
+            if request is None or broken is not None or early:
+                # The client may still be sending what we will not read: closing
+                # now would reset the connection under the answer it has yet to read.
+                await _linger(stream, drain)
             return
-        finally:
-            if not response.body.ended:
-                await abandon(response.body)
-            response.closed()
-        early = request is not None and not request.body.ended  # answered before the upload ended
-        if request is not None and early:
-            await request.body.aclose()  # (whoever relayed it stops here)
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not close:
-            conn.start_next_cycle()
-            continue
-        if request is None or broken is not None or early:
-            # The client may still be sending what we will not read: closing
-            # now would reset the connection under the answer it has yet to read.
-            await _linger(stream, drain)
-        return
+    if scope.cancelled_caught and not clock.reading:  # (else: idle, or drained, between requests)
+        log.debug("the client %s stopped reading its response; closed", client)
 
 
 _NOT_IN_101 = frozenset({b"content-length", *KEY_FIELDS})
@@ -538,10 +603,86 @@ async def _serve_tunnel(
         await body.aclose()
 
 
+class _Clock:
+    """The stall clock of one connection's response writes.
+
+    :meth:`arm` as a write starts (and at each piece of it), :meth:`disarm`
+    once it is done: while it is armed and no piece has gone for ``stall``
+    seconds (a client that stopped reading), the connection's ``scope`` is
+    cancelled. Disarmed, nothing runs out: waiting for the body (a stream of
+    events between events) is no stall of the client's.
+
+    Two ways to keep time: the scope's deadline, moved at every arm and
+    disarm (nothing to start, and exact); or, while ``watched``, a
+    :meth:`watch` task, which a long response runs in a nursery of its own:
+    a write costs two attribute writes, and the task looks every quarter of
+    ``stall`` whether the same piece is still waiting (so a stall is cut
+    within a quarter more, as on h2).
+    """
+
+    __slots__ = ("pieces", "reading", "scope", "stall", "watched", "writing")
+
+    def __init__(self, scope: trio.CancelScope, stall: float) -> None:
+        self.scope = scope
+        self.stall = stall
+        self.watched = False
+        self.writing = False  # a write is waiting (watched)
+        self.pieces = 0  # pieces started (watched): progress, for the watchdog
+        self.reading = False  # in _read_head, whose waits end on the scope too
+
+    def arm(self) -> None:
+        if self.watched:
+            self.pieces += 1
+            self.writing = True
+        else:
+            self.scope.deadline = trio.current_time() + self.stall
+
+    def disarm(self) -> None:
+        if self.watched:
+            self.writing = False
+        else:
+            self.scope.deadline = math.inf
+
+    async def watch(self) -> None:
+        """Cancel the scope once one piece has been waiting ``stall`` seconds (while ``watched``)."""
+        period = self.stall / 4
+        seen = -1  # the piece waiting at the last look
+        looks = 0  # looks in a row that found it still waiting
+        while True:
+            await trio.sleep(period)
+            if self.writing and self.pieces == seen:
+                looks += 1
+                if looks >= 4:  # waiting since before the first of them: over stall seconds
+                    self.scope.cancel()
+                    return
+            else:
+                seen = self.pieces if self.writing else -1
+                looks = 0
+
+
+async def _send_pieces(stream: trio.abc.Stream, data: bytes, clock: _Clock) -> None:
+    """Write ``data`` (over ``_PIECE`` bytes) a piece at a time, the clock restarting at each."""
+    view = memoryview(data)
+    for start in range(0, len(view), _PIECE):
+        clock.arm()
+        await stream.send_all(view[start : start + _PIECE])
+    clock.disarm()
+
+
 async def _send_response(
-    stream: trio.abc.Stream, conn: h11.Connection, response: Response, close: bool, wire: Wire | None
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    response: Response,
+    close: bool,
+    wire: Wire | None,
+    clock: _Clock,
 ) -> None:
-    """The response on the wire; ``wire`` (the request's, if one came) counts its body bytes as they go."""
+    """The response on the wire; ``wire`` (the request's, if one came) counts its body bytes as they go.
+
+    Every write is on the stall ``clock``: its deadline for the head and the
+    first ``_DEADLINE_WRITES`` writes of the body, its watchdog for the rest
+    of a longer one.
+    """
     head = _response_head(response, close)
     out = conn.send(head)
     # Trailers travel only in chunked framing, which h11 picks when no length is set.
@@ -552,13 +693,63 @@ async def _send_response(
         if data:
             out += conn.send(h11.Data(data=data))
         out += conn.send(h11.EndOfMessage(headers=body.trailers if chunked and body.trailers else []))
-        await stream.send_all(out)
+        if len(out) <= _PIECE:
+            clock.arm()
+            await stream.send_all(out)
+            clock.disarm()
+        else:
+            await _send_pieces(stream, out, clock)
         if wire is not None:
             wire.sent += len(data)
         return
+    clock.arm()
     await stream.send_all(out)
-    while chunk := await body.receive():
-        await stream.send_all(conn.send(h11.Data(data=chunk)))
+    clock.disarm()
+    if await _send_body(stream, conn, body, chunked, wire, clock, _DEADLINE_WRITES):
+        return
+    clock.watched = True
+    try:
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(clock.watch)
+                await _send_body(stream, conn, body, chunked, wire, clock, None)
+                nursery.cancel_scope.cancel()
+    finally:
+        clock.watched = clock.writing = False
+
+
+async def _send_body(
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    body: Body,
+    chunked: bool,
+    wire: Wire | None,
+    clock: _Clock,
+    writes: int | None,
+) -> bool:
+    """``body`` and the end of the message on the wire, True; False if it stopped after ``writes`` writes.
+
+    The last chunk of a body that knows it has ended goes with the end of
+    the message, in one write.
+    """
+    while True:
+        chunk = await body.receive()
+        ended = not chunk or body.ended
+        out = conn.send(h11.Data(data=chunk)) if chunk else b""
+        if ended:
+            out += conn.send(h11.EndOfMessage(headers=body.trailers if chunked and body.trailers else []))
+        if len(out) <= _PIECE:
+            if out:
+                clock.arm()
+                await stream.send_all(out)
+                clock.disarm()
+        else:
+            await _send_pieces(stream, out, clock)
         if wire is not None:
             wire.sent += len(chunk)
-    await stream.send_all(conn.send(h11.EndOfMessage(headers=body.trailers if chunked and body.trailers else [])))
+        if ended:
+            return True
+        if writes is not None:
+            writes -= 1
+            if not writes:
+                return False

@@ -287,6 +287,7 @@ class H2ServerConnection(RequestChecks):
                 raw,
                 config.max_header_list_size,
                 config.max_header_count,
+                max_target=config.max_target,
                 connect_protocol=config.enable_connect_protocol,
             )
         headers = request.headers

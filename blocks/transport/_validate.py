@@ -7,7 +7,8 @@ before any regular field, no connection-specific fields, ``te`` only as
 ``trailers``, one consistent ``content-length``, a ``:path`` of visible
 ASCII, and one canonical lowercase authority that ``host`` (when present)
 agrees with. Every failure is a :class:`~blocks.errors.BadRequest` (400,
-or 431 for a head over the size or field-count cap) for that request alone.
+414 for a target over its cap, or 431 for a head over the size or
+field-count cap) for that request alone.
 A 400 means the request is malformed (RFC 9113 8.1.1): the h2 listener ends
 its stream with RST_STREAM(PROTOCOL_ERROR), after the 400
 (``H2ServerConnection.malformed``); so it does for trailers that fail
@@ -43,13 +44,16 @@ _PSEUDO = {
 }
 
 
-def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None) -> None:
+def check_header_list_size(
+    fields: list[tuple[bytes, bytes]], max_size: int, max_count: int | None = None, counted: int = 0
+) -> None:
     """431 for a head over ``max_size`` (RFC 9113 6.5.2's count) or with more than ``max_count`` fields.
 
     Pseudo-headers are not fields: an h2 head and the same request over h1
-    (where ``host`` is a field) meet the same count.
+    (where ``host`` is a field) meet the same count. ``counted``: what the
+    head holds besides ``fields`` (an h1 target, as ``:path`` will carry it).
     """
-    size = 0
+    size = counted
     for name, value in fields:
         size += len(name) + len(value) + 32
     if size > max_size:
@@ -58,6 +62,11 @@ def check_header_list_size(fields: list[tuple[bytes, bytes]], max_size: int, max
         count = sum(name[:1] != b":" for name, _ in fields)
         if count > max_count:
             raise BadRequest(f"too many header fields: {count} over {max_count}", status=431)
+
+
+def target_too_long(target: bytes, max_target: int) -> BadRequest:
+    """414 for a request target (an h1 request line's, an h2 ``:path``) longer than ``max_target``."""
+    return BadRequest(f"request target of {len(target)} bytes is over {max_target}", status=414)
 
 
 def validate_trailers(fields: list[tuple[bytes, bytes]]) -> None:
@@ -84,6 +93,7 @@ def validate_request_head(
     max_size: int,
     max_count: int | None = None,
     *,
+    max_target: int | None = None,
     connect_protocol: bool = False,
 ) -> int | None:
     """Fill ``request`` from an h2 header block, checking it; return the declared length.
@@ -92,7 +102,10 @@ def validate_request_head(
     counts it (RFC 9113 6.5.2: each field's name and value plus 32,
     pseudo-headers included), and ``max_count`` (when given) the number of
     regular fields: past either, 431, so that no later hop (whose limit is
-    higher: ``INTERNAL_LISTENER``) ever sees a head it would refuse.
+    higher: ``INTERNAL_LISTENER``) ever sees a head it would refuse. A
+    ``:path`` longer than ``max_target`` (when given) is a 414, even in a
+    head over the size cap: the more precise answer, and the one HTTP/1.1
+    gets.
 
     With ``connect_protocol`` (the listener advertised
     ``SETTINGS_ENABLE_CONNECT_PROTOCOL``), an extended CONNECT (RFC 8441) is
@@ -101,7 +114,14 @@ def validate_request_head(
     ``sec-websocket-version: 13`` (else 426, naming the version we speak).
     A plain CONNECT stays 501, and ``:protocol`` anywhere else is a 400.
     """
-    check_header_list_size(raw, max_size, max_count)
+    try:
+        check_header_list_size(raw, max_size, max_count)
+    except BadRequest:
+        if max_target is not None:
+            for name, value in raw:
+                if name == b":path" and len(value) > max_target:
+                    raise target_too_long(value, max_target) from None
+        raise
     headers = request.headers
     seen: set[bytes] = set()
     regular = False
@@ -152,6 +172,8 @@ def validate_request_head(
     if not request.scheme or not _SCHEME.match(request.scheme):
         raise BadRequest("missing or bad :scheme")
     path = request.path
+    if max_target is not None and len(path) > max_target:
+        raise target_too_long(path, max_target)
     if not path or not _PATH.match(path) or (path[0] != 47 and not (path == b"*" and method == b"OPTIONS")):
         raise BadRequest("missing or bad :path")
     authority = request.authority

@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from blocks.errors import BadRequest
 from blocks.http import Handler
 from blocks.transport._h1server import serve_h1
 from blocks.transport._h2 import H2ConnectionStatistics, Relay
 from blocks.transport._h2server import PREFACE as _PREFACE
 from blocks.transport._h2server import H2ServerConnection
+from blocks.transport._validate import check_authority
 
 if TYPE_CHECKING:
     from blocks.transport.multiplexer import Upstreams
@@ -59,6 +61,14 @@ def _none_or_at_least(minimum: float) -> Any:
 
 
 _none_or_positive = _none_or_at_least(0)
+
+
+def _optional_authority(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None:
+        try:
+            check_authority(value.encode("ascii"))
+        except (BadRequest, UnicodeEncodeError):
+            raise ValueError(f"{attribute.name} must be a plain host[:port], not {value!r}") from None
 
 
 @attrs.frozen(kw_only=True)
@@ -104,6 +114,13 @@ class ListenerConfig:
     hop: str | None = None
     """The hop this listener serves (each hop sets its name): the listener's own answers to a
     malformed request or a refused upload carry ``proxyblocks-error: REASON; hop=NAME``."""
+    max_target: int = attrs.field(default=16 * 1024, validator=attrs.validators.ge(1024))
+    """The longest request target (h1, as on the request line) or ``:path`` (h2) taken: a longer
+    one is answered 414 (nginx answers past 8 KiB, a CDN past 16 KiB). A target also counts
+    against ``max_header_list_size``, as h2 counts ``:path``, so what passes fits every hop."""
+    default_authority: str | None = attrs.field(default=None, validator=_optional_authority)
+    """The authority of an HTTP/1.0 request without ``Host`` (RFC 9112 3.2 asks it only of
+    HTTP/1.1): ``host[:port]``. ``None``: the address the client reached, ``IP:PORT``."""
 
 
 @attrs.frozen
