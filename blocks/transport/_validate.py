@@ -11,7 +11,7 @@ agrees with. Every failure is a :class:`~blocks.errors.BadRequest` (400,
 field-count cap) for that request alone.
 A 400 means the request is malformed (RFC 9113 8.1.1): the h2 listener ends
 its stream with RST_STREAM(PROTOCOL_ERROR), after the 400
-(``H2ServerConnection.malformed``); so it does for trailers that fail
+(``RequestChecks.malformed``); so it does for trailers that fail
 :func:`validate_trailers`.
 
 The HTTP/1.1 side (``blocks.transport._h1server``) shares the caps and the authority
