@@ -11,13 +11,18 @@ port. Every answer carries ``x-served-by: hypercorn`` and
 - ``GET /headers``: 200, the request's headers as hypercorn saw them, one ``name: value`` a line;
 - ``POST /echo``: 200, the request body streamed back chunk by chunk as it arrives;
 - ``GET /count?n=N``: 200, N lines ``line I`` sent one at a time;
+- ``POST /digest``: reads the whole request body, then 200, ``BYTES SHA256-HEX\n`` (an upload, then an answer);
+- ``POST /ignore``: never reads the body, never answers (until the client goes);
 - anything else: 404, ``no page PATH\\n``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import trio
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -59,6 +64,20 @@ async def app(
             if not message.get("more_body"):
                 break
         await body(b"")
+    elif path == "/digest" and scope["method"] == "POST":
+        digest = hashlib.sha256()
+        size = 0
+        while True:
+            message = await receive()
+            data = message.get("body", b"")
+            digest.update(data)
+            size += len(data)
+            if not message.get("more_body"):
+                break
+        await start(200)
+        await body(b"%d %s\n" % (size, digest.hexdigest().encode()))
+    elif path == "/ignore":
+        await trio.sleep_forever()
     elif path == "/count":
         n = int(scope["query_string"].decode().removeprefix("n="))
         await start(200)

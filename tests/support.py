@@ -26,6 +26,7 @@ import h2.config
 import h2.connection
 import h2.events
 import hpack
+import httpx
 import hyperframe.frame
 import trio
 import trio_websocket
@@ -58,6 +59,11 @@ Headers = list[tuple[bytes, bytes]]
 
 
 # -- curl -------------------------------------------------------------------------------
+
+
+def h2_client(**kwargs: Any) -> httpx.AsyncClient:
+    """A prior-knowledge h2 client (h2c), ignoring proxies from the environment."""
+    return httpx.AsyncClient(http2=True, http1=False, trust_env=False, **kwargs)
 
 
 async def curl(*args: str) -> str:

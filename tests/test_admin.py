@@ -10,14 +10,10 @@ import functools
 
 import httpx
 import trio
-from support import HOST, closed_port, held_chain, wait_for
+from support import HOST, closed_port, h2_client, held_chain, wait_for
 
 from blocks import Chain, HTTPServer, LocalReplica, serve_chain
 from blocks.observe import Metrics, Observed, serve_admin
-
-
-def h2_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(http2=True, http1=False, trust_env=False)
 
 
 def admin_client(admin: HTTPServer) -> httpx.AsyncClient:

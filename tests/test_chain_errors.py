@@ -7,12 +7,10 @@ Rules: loopback only, port 0, every test bounded by ``trio.fail_after``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 import pytest
 import trio
-from support import RawH2Client, assemble, raw_exchange
+from support import RawH2Client, assemble, h2_client, raw_exchange
 
 from blocks import Chain, Hop, Request, UpstreamConfig, open_upstreams
 from blocks.errors import (
@@ -34,11 +32,6 @@ from blocks.errors import (
 )
 from blocks.timing import parse_server_timing
 from blocks.tokens import TokenReason
-
-
-def h2_client(**kwargs: Any) -> httpx.AsyncClient:
-    """A prior-knowledge h2 client (h2c), ignoring proxies from the environment."""
-    return httpx.AsyncClient(http2=True, http1=False, trust_env=False, **kwargs)
 
 
 def assert_error_page(response: httpx.Response, status: int, reason: str, hop: str) -> None:

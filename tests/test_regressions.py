@@ -18,7 +18,6 @@ import hashlib
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +30,7 @@ from support import (
     assemble,
     assemble_local,
     curl,
+    h2_client,
     record_relays,
 )
 
@@ -54,11 +54,6 @@ from blocks import (
 from blocks.testing import DemoApp, serve_demo_replica
 
 TOKENS = b"".join(b"token %d\n" % i for i in range(5))
-
-
-def h2_client(**kwargs: Any) -> httpx.AsyncClient:
-    """A prior-knowledge h2 client (h2c), ignoring proxies from the environment."""
-    return httpx.AsyncClient(http2=True, http1=False, trust_env=False, **kwargs)
 
 
 async def get(client: RawH2Client, path: bytes, *extra: tuple[bytes, bytes]) -> H2Result:

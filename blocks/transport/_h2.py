@@ -108,6 +108,7 @@ class H2Stream(Wire):
         "signal",
         "splice",
         "stalled_since",
+        "timed",
         "tunnel",
         "window",
     )
@@ -130,6 +131,7 @@ class H2Stream(Wire):
         self.stalled_since: float | None = None  # since when sending on it waits for a window or the writer
         self.body_deadline: float | None = None  # server side: when its request body must have ended
         self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
+        self.timed = False  # client: the pool's response clock starts when the request ends (local_end)
 
 
 _marked: collections.deque[H2Driver] = collections.deque()
@@ -397,6 +399,15 @@ class H2Driver:
     def stream_closed(self, st: H2Stream) -> None:
         """Hook: a stream left ``streams`` (slot accounting in the client)."""
 
+    def stalled(self, st: H2Stream) -> None:
+        """Sending on ``st`` waits, from now, for the peer's window or for the writer: a stream
+        that waits ``stall_timeout`` is reset (the server's and the pool's sweepers)."""
+        st.stalled_since = trio.current_time()
+
+    def local_end(self, st: H2Stream) -> None:
+        """Our END_STREAM on ``st`` went to the codec (the client starts the response clock here)."""
+        st.local_ended = True
+
     def finish_stream(self, st: H2Stream) -> None:
         """Both directions ended normally."""
         if not st.closed:
@@ -529,7 +540,7 @@ class H2Driver:
             if st.window is None:
                 st.window = Signal()
             if progressed or st.stalled_since is None:
-                st.stalled_since = trio.current_time()  # stalled since the last progress
+                self.stalled(st)  # stalled since the last progress
                 progressed = False
             await st.window.wait()
 

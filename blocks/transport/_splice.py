@@ -44,8 +44,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-import trio
-
 from blocks.errors import BlocksError
 from blocks.fields import ERROR_HEADER
 from blocks.http import BytesBody, Headers, Response, error_response
@@ -159,7 +157,7 @@ class _Pipe:
                 if room <= 0:
                     self.pending.appendleft(data)
                     if progressed or self.dst_st.stalled_since is None:
-                        self.dst_st.stalled_since = trio.current_time()  # stalled since the last progress
+                        self.dst.stalled(self.dst_st)  # stalled since the last progress
                     return False
                 if len(data) <= room:
                     # The common case: the whole chunk, with END_STREAM when it is the last.
@@ -170,7 +168,7 @@ class _Pipe:
                     acknowledge(src, len(data), src_sid)
                     if last:
                         self.done = True
-                        self.dst_st.local_ended = True
+                        self.dst.local_end(self.dst_st)
                     return True
                 dst.send_data(sid, data[:room])
                 self.dst.pushed += room
@@ -190,7 +188,7 @@ class _Pipe:
         while pending:
             if not self._push(pending.popleft()):
                 if moved:
-                    self.dst_st.stalled_since = trio.current_time()
+                    self.dst.stalled(self.dst_st)
                 return
             moved = True
         self.dst_st.stalled_since = None
@@ -220,7 +218,7 @@ class _Pipe:
 
     def _finish(self) -> None:
         self.done = True
-        self.dst_st.local_ended = True
+        self.dst.local_end(self.dst_st)
         if self.trailers:
             self.dst.h2.send_headers(self.dst_st.id, self.trailers, end_stream=True)
         else:
@@ -373,7 +371,7 @@ class Splice:
     def malformed(self, headers: Headers) -> Response | None:
         """The request is malformed: cancel the upstream stream; the 400 to send downstream, if any.
 
-        Only the listener calls it (``H2ServerConnection.malformed``, the one
+        Only the listener calls it (``RequestChecks.malformed``, the one
         place that ends a malformed request's stream, which then sends the
         400 and the RST_STREAM). ``headers`` say why (``proxyblocks-error``);
         the 400's head goes through ``head_filter``. None once the response

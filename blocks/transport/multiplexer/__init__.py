@@ -90,7 +90,7 @@ class Upstreams:
             await trio.sleep(resolution)
             now = trio.current_time()
             for pool in self._pools.values():
-                if type(pool) is _H2Pool and pool.waiting:
+                if type(pool) is _H2Pool and (pool.waiting or pool.stalled):
                     pool.expire(now)
 
     def splice(
@@ -185,7 +185,9 @@ class Upstreams:
         :class:`~blocks.errors.UpstreamConnectError` (502) when the upstream
         cannot be reached or its TLS handshake fails (the message says why),
         :class:`~blocks.errors.UpstreamTimeout` (504) when no head comes
-        within ``timeout`` (default ``response_timeout``),
+        within ``response_timeout`` of the request's end (with a ``timeout``
+        of its own: of the call's start), or the upstream takes no byte of
+        the request for ``stall_timeout``,
         :class:`~blocks.errors.UpstreamProtocolError` (502) when the stream
         dies before its head.
 

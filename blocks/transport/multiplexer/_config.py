@@ -22,11 +22,14 @@ Dial = Callable[[], Awaitable[trio.abc.Stream]]
 class UpstreamConfig:
     """Knobs of the upstream pools. Durations in seconds.
 
-    ``response_timeout`` bounds the wait for a response head (504 past it),
-    checked every ``timeout_resolution`` seconds; a streaming body after the
-    head is not bounded by it. ``stall_timeout`` bounds each write into an
-    h1 tunnel (a WebSocket to an h1 upstream): an upstream that stops
-    reading for that long has the tunnel closed on both sides.
+    ``response_timeout`` is the upstream's time to answer a whole request:
+    it bounds the wait for a response head from the moment the request's end
+    went upstream (an extended CONNECT's: from its head), 504 past it,
+    checked every ``timeout_resolution`` seconds; an upload, however long,
+    and a streaming body after the head are not on it. ``stall_timeout``
+    bounds how long the upstream may take no byte of a request (an h2
+    window that stays shut, an h1 write that makes no progress): 504, or
+    in an h1 tunnel (a WebSocket to an h1 upstream) both sides closed.
 
     ``ca_file`` (PEM) is what ``https`` upstreams' certificates are verified
     against, instead of the system's trust store.

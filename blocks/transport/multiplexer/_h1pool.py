@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import h11
 import trio
@@ -35,7 +36,7 @@ _OWN_FIELDS = frozenset({*KEY_FIELDS, b"sec-websocket-version", b"content-length
 
 
 class _H1Connection(H1Stream):
-    __slots__ = ("pumping", "tcp")
+    __slots__ = ("pumping", "stalled", "tcp")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         super().__init__(stream, h11.Connection(h11.CLIENT))
@@ -44,6 +45,7 @@ class _H1Connection(H1Stream):
         assert type(tcp) is trio.SocketStream
         self.tcp = tcp
         self.pumping = False
+        self.stalled = False  # the upstream took no byte of the request for stall_timeout (the pump)
 
     def close(self) -> None:
         self.tcp.socket.close()
@@ -238,18 +240,21 @@ class _H1Pool:
             out_headers = [(n, v) for n, v in out_headers if n != b"content-length"]
             out_headers.append((b"content-length", b"0"))
         data = h.send(h11.Request(method=request.method, target=request.path, headers=out_headers))
+        # The response clock starts when the request has gone whole (the pump starts it after an upload).
+        scope = trio.CancelScope()
         try:
             if body.ended:
                 data += h.send(h11.EndOfMessage())
                 await conn.stream.send_all(data)
+                scope.deadline = trio.current_time() + timeout
             else:
                 await conn.stream.send_all(data)
                 conn.pumping = True
                 body.claim()  # the pump reads it to the end or discards what it leaves
-                self.nursery.start_soon(self._pump, conn, body)
+                self.nursery.start_soon(self._pump, conn, body, scope, timeout)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _StaleConnection from exc
-        with trio.move_on_after(timeout) as scope:
+        with scope:
             while True:
                 try:
                     event = await conn.next_event()
@@ -260,7 +265,9 @@ class _H1Pool:
                 if type(event) is h11.Response:
                     break
         if scope.cancelled_caught:
-            raise UpstreamTimeout(f"no response from {self.address} within {timeout}s")
+            if conn.stalled:
+                raise UpstreamTimeout(f"{self.address} took no byte of the request for {self.config.stall_timeout}s")
+            raise UpstreamTimeout(f"no response from {self.address} within {timeout}s of the request's end")
         length = None
         resp_headers: Headers = []
         for name, value in event.headers:
@@ -283,12 +290,28 @@ class _H1Pool:
             response_body = H1ResponseBody(conn, self, length)
         return Response(event.status_code, resp_headers, response_body)
 
-    async def _pump(self, conn: _H1Connection, body: Body) -> None:
+    async def _pump(self, conn: _H1Connection, body: Body, clock: trio.CancelScope, timeout: float) -> None:
+        """Send the request body; once it has gone whole, start the response ``clock``.
+
+        A write the upstream takes nothing of for ``stall_timeout`` stops the
+        exchange: the connection is dropped and the response wait ends (504).
+        """
         h = conn.h11
+        stall = self.config.stall_timeout
         try:
-            while chunk := await body.receive():
-                await conn.stream.send_all(h.send(h11.Data(data=chunk)))
-            await conn.stream.send_all(h.send(h11.EndOfMessage(headers=body.trailers or [])))
+            with trio.CancelScope() as stuck:
+                while chunk := await body.receive():
+                    stuck.deadline = trio.current_time() + stall
+                    await conn.stream.send_all(h.send(h11.Data(data=chunk)))
+                    stuck.deadline = math.inf
+                stuck.deadline = trio.current_time() + stall
+                await conn.stream.send_all(h.send(h11.EndOfMessage(headers=body.trailers or [])))
+            if stuck.cancelled_caught:
+                conn.stalled = True
+                clock.cancel()
+                await trio.aclose_forcefully(conn.stream)
+                return
+            clock.deadline = trio.current_time() + timeout
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # The upstream stopped reading: it may have answered early (RFC 9112
             # 9.6), and its answer is still ours to read to the end. The

@@ -119,7 +119,8 @@ class H2ClientConnection(H2Driver):
 
     # -- streams -----------------------------------------------------------------
 
-    def _send_head(self, request: Request, headers: Headers, end: bool) -> H2Stream:
+    def _send_head(self, request: Request, headers: Headers, end: bool, *, timed: bool = True) -> H2Stream:
+        """Open a stream with ``request``'s head; ``timed``: on the pool's response clock (see :meth:`local_end`)."""
         conn = self.h2
         sid = conn.get_next_available_stream_id()
         head = [
@@ -139,7 +140,34 @@ class H2ClientConnection(H2Driver):
         conn.send_headers(sid, head, end_stream=end)
         st = H2Stream(sid)
         self.streams[sid] = st
+        if timed:
+            if end or request.protocol is not None:  # (a tunnel's request never ends: its clock starts now)
+                self._start_clock(st)
+            else:
+                st.timed = True
+        if end:
+            st.local_ended = True
         return st
+
+    def local_end(self, st: H2Stream) -> None:
+        """The request on ``st`` has gone whole: its response clock starts (if it is on one).
+
+        ``response_timeout`` is the upstream's time to answer a whole request:
+        an upload, however long, is not on it, and a head that came before the
+        request ended stops it from starting (``_on_response``).
+        """
+        st.local_ended = True
+        if st.timed:
+            self._start_clock(st)
+
+    def stalled(self, st: H2Stream) -> None:
+        super().stalled(st)
+        self.pool.stalled[st] = self
+
+    def _start_clock(self, st: H2Stream) -> None:
+        st.timed = False
+        pool = self.pool
+        pool.waiting[st] = (trio.current_time() + pool.config.response_timeout, self)
 
     def open_spliced(
         self,
@@ -161,12 +189,11 @@ class H2ClientConnection(H2Driver):
         _Replay(splice, request, headers, request_ended)
         return st
 
-    def open_stream(self, request: Request, headers: Headers, *, end: bool) -> H2Stream:
+    def open_stream(self, request: Request, headers: Headers, *, end: bool, timed: bool = True) -> H2Stream:
         """Send the request head on a new stream. Never blocks; the pool pumps the body."""
-        st = self._send_head(request, headers, end)
+        st = self._send_head(request, headers, end, timed=timed)
         self.kick()
         st.signal = Signal()
-        st.local_ended = end
         return st
 
     async def response(self, st: H2Stream) -> Response:
@@ -223,6 +250,7 @@ class H2ClientConnection(H2Driver):
         if st is None:
             return
         self.pool.waiting.pop(st, None)
+        st.timed = False  # (answered before the request ended: no clock to start)
         status = 0
         headers: Headers = []
         length = None
@@ -311,6 +339,8 @@ class _H2Pool:
         # order is deadline order (one timeout per pool), so the sweeper only
         # looks at the front.
         self.waiting: dict[H2Stream, tuple[float, H2ClientConnection]] = {}
+        # Streams whose request waits for the upstream's window (or our writer): see expire.
+        self.stalled: dict[H2Stream, H2ClientConnection] = {}
         self.retries = 0
         self._attempt: _Attempt | None = None
         self._freed = trio.Event()
@@ -383,7 +413,10 @@ class _H2Pool:
             await self._freed.wait()
 
     def expire(self, now: float) -> None:
-        """Fail every stream whose response head is overdue: 504."""
+        """Fail every stream whose response head is overdue, or whose request the upstream has
+        taken no byte of for ``stall_timeout``: 504."""
+        if self.stalled:
+            self._expire_stalls(now)
         waiting = self.waiting
         while waiting:
             st = next(iter(waiting))
@@ -391,8 +424,21 @@ class _H2Pool:
             if deadline > now:
                 return
             del waiting[st]
-            st.error = UpstreamTimeout(f"no response from {self.address} within {self.config.response_timeout}s")
+            st.error = UpstreamTimeout(
+                f"no response from {self.address} within {self.config.response_timeout}s of the request's end"
+            )
             conn.reset(st, _CANCEL)
+
+    def _expire_stalls(self, now: float) -> None:
+        limit = self.config.stall_timeout
+        for st, conn in list(self.stalled.items()):
+            since = st.stalled_since
+            if since is None or st.closed:
+                del self.stalled[st]  # it moved on, or ended
+            elif now - since >= limit:
+                del self.stalled[st]
+                st.error = UpstreamTimeout(f"{self.address} took no byte of the request for {limit}s")
+                conn.reset(st, _CANCEL)
 
     def splice(
         self,
@@ -408,12 +454,11 @@ class _H2Pool:
         if conn is None:
             return False
         try:
-            st = conn.open_spliced(
+            conn.open_spliced(
                 request, headers, down, down_st, request_ended=request_ended, head_filter=head_filter, on_close=on_close
             )
         except (ProtocolError, UpstreamProtocolError):
             return False  # the handler path tries again, and answers the error if it stands
-        self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
         return True
 
     def sink(self, request: Request, headers: Headers, sink: Sink) -> bool:
@@ -425,10 +470,8 @@ class _H2Pool:
             st = conn._send_head(request, headers, True)
         except (ProtocolError, UpstreamProtocolError):
             return False
-        st.local_ended = True
         st.splice = sink  # type: ignore[assignment]  # duck-typed: the drivers call what a splice has
         sink.opened(conn, st)
-        self.waiting[st] = (trio.current_time() + self.config.response_timeout, conn)
         # Written after what the caller's batch marked before (a primary's last frames), and
         # with every other head sent to this connection in the same batch.
         conn.mark()
@@ -448,7 +491,7 @@ class _H2Pool:
                 return  # the downstream stream went away meanwhile
             if conn is None:
                 raise UpstreamTimeout(f"no stream slot at {self.address} within {timeout}s")
-            st = replay.resume(conn)
+            replay.resume(conn)  # (on the response clock from the request's end, as any stream)
         except (UpstreamConnectError, UpstreamTimeout, UpstreamProtocolError, ProtocolError) as exc:
             if not replay.splice.closed:
                 replay.give_up(exc)
@@ -457,25 +500,30 @@ class _H2Pool:
             if not replay.splice.closed:
                 replay.give_up(UpstreamConnectError("the upstream pool closed"))
             raise
-        self.waiting[st] = (trio.current_time() + timeout, conn)
 
     async def request(self, request: Request, headers: Headers, timeout: float) -> Response:
         upload: _Upload | None = None
         avoid: H2ClientConnection | None = None
         try:
+            pooled = timeout == self.config.response_timeout
             for retry in (False, True):
-                conn = self._free(avoid) if timeout == self.config.response_timeout else None
+                conn = None
                 try:
-                    if conn is not None:
-                        # The common case: a free slot now, the pool's own timeout. The
-                        # sweeper bounds the wait; no cancel scope per request.
-                        st, upload = self._open(conn, request, headers, upload)
-                        self.waiting[st] = (trio.current_time() + timeout, conn)
+                    if pooled:
+                        # The pool's own timeout: the sweeper bounds the wait for the head
+                        # from the request's end (local_end); no cancel scope per request.
+                        conn = self._free(avoid)
+                        if conn is None:
+                            with trio.move_on_after(timeout):
+                                conn = await self.acquire(avoid)
+                            if conn is None:
+                                raise UpstreamTimeout(f"no stream slot at {self.address} within {timeout}s")
+                        st, upload = self._open(conn, request, headers, upload, timed=True)
                         return await conn.response(st)
-                    # Waiting for a slot, or a timeout of its own: one deadline for both.
+                    # A timeout of its own: one deadline for the slot, the upload and the head.
                     with trio.move_on_after(timeout):
                         conn = await self.acquire(avoid)
-                        st, upload = self._open(conn, request, headers, upload)
+                        st, upload = self._open(conn, request, headers, upload, timed=False)
                         return await conn.response(st)
                     raise UpstreamTimeout(f"no response from {self.address} within {timeout}s")
                 except _Refused as exc:
@@ -491,25 +539,25 @@ class _H2Pool:
             raise
 
     def _open(
-        self, conn: H2ClientConnection, request: Request, headers: Headers, upload: _Upload | None
+        self, conn: H2ClientConnection, request: Request, headers: Headers, upload: _Upload | None, *, timed: bool
     ) -> tuple[H2Stream, _Upload | None]:
         """Open a stream for ``request`` on ``conn``; its body goes by ``upload`` (the retry's) or a new one."""
         body = request.body
         try:
             if upload is None:
                 end = body.ended and not body.trailers
-                st = conn.open_stream(request, headers, end=end)
+                st = conn.open_stream(request, headers, end=end, timed=timed)
                 if not end:
                     upload = _Upload(body, conn, st)
                     self.nursery.start_soon(self._pump, upload)
                 return st, upload
             # The retry: the body is untouched, or ended with nothing sent but its end.
             finished = upload.finished
-            st = conn.open_stream(request, headers, end=finished and not body.trailers)
+            st = conn.open_stream(request, headers, end=finished and not body.trailers, timed=timed)
             if finished and body.trailers:
                 conn.h2.send_headers(st.id, body.trailers, end_stream=True)
                 conn.kick()
-                st.local_ended = True
+                conn.local_end(st)
             upload.move(conn, st)
             if upload.broken:  # the body broke since the refusal: nothing will complete it
                 conn.reset(st, _CANCEL)
@@ -553,7 +601,8 @@ class _H2Pool:
                     upload.broken = True
                     upload.conn.reset(upload.st, _CANCEL)
                     return
-                upload.finished = st.local_ended = True
+                upload.finished = True
+                conn.local_end(st)
                 if st.remote_ended:
                     conn.finish_stream(st)
             if upload.scope.cancelled_caught and not body.ended and not upload.st.remote_ended:
