@@ -13,6 +13,7 @@ port. Every answer carries ``x-served-by: hypercorn`` and
 - ``GET /count?n=N``: 200, N lines ``line I`` sent one at a time;
 - ``POST /digest``: reads the whole request body, then 200, ``BYTES SHA256-HEX\n`` (an upload, then an answer);
 - ``POST /ignore``: never reads the body, never answers (until the client goes);
+- ``GET /big-head?size=N``: 200 with a field ``x-big`` of N bytes;
 - anything else: 404, ``no page PATH\\n``.
 """
 
@@ -76,6 +77,11 @@ async def app(
                 break
         await start(200)
         await body(b"%d %s\n" % (size, digest.hexdigest().encode()))
+    elif path == "/big-head":
+        size = int(scope["query_string"].decode().removeprefix("size="))
+        fields = [(b"x-big", b"h" * size), (b"x-served-by", b"hypercorn")]
+        await send({"type": "http.response.start", "status": 200, "headers": fields})
+        await body(b"big head\n")
     elif path == "/ignore":
         await trio.sleep_forever()
     elif path == "/count":

@@ -50,6 +50,7 @@ from blocks import (
 from blocks._sync import one_error
 from blocks.observe import Metrics
 from blocks.store import RouteEvent
+from blocks.topology import replica_from_url
 from blocks.transport.streams import H2ConnectionStatistics
 
 HOST = "127.0.0.1"
@@ -709,6 +710,21 @@ async def chain_recipe(*replicas: str) -> AsyncIterator[str]:
     command = [sys.executable, "-m", "recipes.chain", *(arg for url in replicas for arg in ("--replica", url))]
     async with child_process(command, r"^edge listening on (\S+)$") as (_, match):
         yield match.group(1)
+
+
+HYPERCORN = [sys.executable, "-m", "hypercorn", "tests.asgi_replica:app", "--bind", "127.0.0.1:0", "-k", "trio"]
+"""hypercorn serving ``tests/asgi_replica.py`` (HTTP/1.1 and h2c on one port): a replica not of the project."""
+
+
+@asynccontextmanager
+async def hypercorn_behind(
+    nursery: trio.Nursery, scheme: str, worker: UpstreamConfig | None = None, proxy: UpstreamConfig | None = None
+) -> AsyncIterator[Chain]:
+    """hypercorn as the one replica (``scheme``: ``http`` for the worker's h1 pool, ``h2c`` for its h2
+    pool) of a chain whose worker and proxy use these upstream configs."""
+    async with child_process(HYPERCORN, r"Running on http://(\S+) \(CTRL", stderr=True) as (_, match):
+        replica = replica_from_url(f"{scheme}://{match.group(1)}")
+        yield await assemble_local(nursery, {"hypercorn": replica}, worker_upstream=worker, proxy_upstream=proxy)
 
 
 BODY = b"served by python's own http.server\n"

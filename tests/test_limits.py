@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import h2.errors
+import h2.events
 import hpack
 import hyperframe.frame as hf
 import pytest
@@ -48,7 +49,16 @@ from blocks import (
     text_response,
 )
 from blocks.testing import DemoApp, make_self_signed
-from tests.support import H2_PREFACE, HOST, RawFrames, assemble_local, wait_for
+from tests.support import (
+    H2_PREFACE,
+    HOST,
+    RawFrames,
+    RawH2Client,
+    assemble_local,
+    h2_client,
+    hypercorn_behind,
+    wait_for,
+)
 
 E = h2.errors.ErrorCodes
 S = hf.SettingsFrame
@@ -416,6 +426,30 @@ async def test_max_header_count_counts_regular_fields(nursery: trio.Nursery, cou
 @pytest.mark.parametrize(
     ("size", "expected"), [pytest.param(L, b"200", id="at-the-limit"), pytest.param(L + 1, b"431", id="one-over")]
 )
+async def test_trailers_are_held_to_the_header_list_limit_on_their_stream(
+    nursery: trio.Nursery, size: int, expected: bytes
+) -> None:
+    """Trailers are a field block like a head (RFC 9113 6.5.2): up to the limit they reach the handler;
+    one byte over, the request is refused with a 431 on its stream alone, and the connection goes on."""
+    trailers = [(b"x-big", b"t" * (size - len(b"x-big") - 32))]
+    with trio.fail_after(10):
+        server, _ = await listen(nursery)
+        async with connect(server.port) as raw:
+            await raw.send(
+                get(1, b"/read", method=b"POST", end_stream=False),
+                hf.DataFrame(1, b"12345"),
+                *frames(1, block(trailers)),
+            )
+            assert await status(raw, 1) == expected
+            if expected == b"200":
+                assert await body(raw, 1) == b"5\n"
+            await goes_on(raw, 3)
+        assert server.statistics().abuse == {}
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"), [pytest.param(L, b"200", id="at-the-limit"), pytest.param(L + 1, b"431", id="one-over")]
+)
 async def test_what_the_edge_accepts_goes_through_every_hop(nursery: trio.Nursery, size: int, expected: bytes) -> None:
     """A head exactly at the edge's limit crosses edge, proxy and worker (each adds its fields) to a
     replica with room for it, and comes back 200; one byte more is the edge's own 431."""
@@ -432,6 +466,43 @@ async def test_what_the_edge_accepts_goes_through_every_hop(nursery: trio.Nurser
             else:
                 assert raw.heads[1][b"proxyblocks-error"].endswith(b"hop=edge")
             await goes_on(raw, 3)
+
+
+async def test_an_upstream_response_head_over_the_limit_fails_that_response_alone(nursery: trio.Nursery) -> None:
+    """The pool advertises ``max_header_list_size`` to its upstreams too: a response head over it
+    (under the hard cap) is a 502 of that request, its stream reset, and the pooled connection with
+    its other streams goes on; one within it passes. The replica is hypercorn, over h2c."""
+    parts = [b"part %d\n" % i for i in range(3)]
+    with trio.fail_after(30):
+        async with hypercorn_behind(nursery, "h2c") as chain, RawH2Client.open(chain.port) as raw:
+            # An exchange in flight on the worker's one connection to the replica...
+            echo = await raw.start(raw.head(b"POST", b"/echo"), end_stream=False)
+            echoed = b""
+
+            async def echoes(part: bytes, *, end: bool = False) -> None:
+                nonlocal echoed
+                await raw.send(echo, part, end_stream=end)
+                while not echoed.endswith(part):
+                    event = await raw.next_event(echo)
+                    if isinstance(event, h2.events.DataReceived):
+                        echoed += event.data
+                    else:
+                        assert isinstance(event, h2.events.ResponseReceived), event
+
+            await echoes(parts[0])
+            # ... sees nothing of a response over the limit beside it.
+            async with h2_client() as client:
+                response = await client.get(chain.url + f"/big-head?size={L + 1000}")
+                assert response.status_code == 502
+                assert response.headers["proxyblocks-error"] == "upstream_reset; hop=worker"
+                response = await client.get(chain.url + f"/big-head?size={L // 2}")
+                assert response.status_code == 200
+                assert len(response.headers["x-big"]) == L // 2
+            await echoes(parts[1])
+            await echoes(parts[2], end=True)
+            assert echoed == b"".join(parts)
+            (pool,) = chain.worker.upstreams.statistics()
+            assert pool.connections == 1
 
 
 # The invariant the hard cap rests on: no encoding of a list inside the limit is longer than four times it.

@@ -14,9 +14,7 @@ never reads it.
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -25,27 +23,14 @@ import httpx
 import pytest
 import trio
 from h2.errors import ErrorCodes
-from support import RawH2Client, assemble_local, child_process, curl, h2_client
+from support import RawH2Client, curl, h2_client, hypercorn_behind
 
 from blocks import UpstreamConfig
-from blocks.topology import Chain, replica_from_url
 
-HYPERCORN = [sys.executable, "-m", "hypercorn", "tests.asgi_replica:app", "--bind", "127.0.0.1:0", "-k", "trio"]
 WORKER = UpstreamConfig(response_timeout=1.0)
 PROXY = UpstreamConfig(response_timeout=2.0)  # longer toward the client, as docs/hops.md advises
 GAPS = 4  # the upload's pauses, each under either timeout, together well over both
 GAP = 0.6
-
-
-@asynccontextmanager
-async def hypercorn_behind(
-    nursery: trio.Nursery, scheme: str, worker: UpstreamConfig, proxy: UpstreamConfig
-) -> AsyncIterator[Chain]:
-    """hypercorn as the one replica (``scheme``: ``http`` for the worker's h1 pool, ``h2c`` for its h2
-    pool) of a chain whose worker and proxy use these upstream configs."""
-    async with child_process(HYPERCORN, r"Running on http://(\S+) \(CTRL", stderr=True) as (_, match):
-        replica = replica_from_url(f"{scheme}://{match.group(1)}")
-        yield await assemble_local(nursery, {"hypercorn": replica}, worker_upstream=worker, proxy_upstream=proxy)
 
 
 @pytest.mark.parametrize("scheme", ["http", "h2c"])

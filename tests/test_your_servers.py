@@ -16,17 +16,14 @@ Loopback only, port 0, every wait bounded.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import grpc
 import httpx
 import trio
-from support import chain_recipe, child_process, curl
+from support import HYPERCORN, chain_recipe, child_process, curl
 from test_grpc import CALL, RAW, converse, grpc_chain, in_thread
-
-HYPERCORN = [sys.executable, "-m", "hypercorn", "tests.asgi_replica:app", "--bind", "127.0.0.1:0", "-k", "trio"]
 
 
 @asynccontextmanager

@@ -220,6 +220,23 @@ class CompressionError(h2.exceptions.ProtocolError):
     error_code = h2.errors.ErrorCodes.COMPRESSION_ERROR
 
 
+HEADER_LIST_HARD_CAP = 4
+"""The hard cap on one header block, as a multiple of ``max_header_list_size``.
+
+``max_header_list_size`` is what SETTINGS_MAX_HEADER_LIST_SIZE advertises,
+and counts a block decoded (RFC 9113 6.5.2: every field's name and value,
+plus 32): over it, a validating listener answers 431 on that stream, and a pooled
+upstream connection fails that response alone (502). A block over the hard
+cap ends the connection with GOAWAY(ENHANCE_YOUR_CALM): counted
+encoded (the HEADERS and CONTINUATION fragments, frame by frame, so a
+CONTINUATION flood is cut there) or decoded (an HPACK bomb, while decoding).
+Four, because HPACK spends at most 30 bits on a byte (Huffman) and a few on a
+field's lengths, where the count adds 32: no encoding of a list within the
+limit is longer than four times it, so only a peer over the limit can meet
+the encoded cap.
+"""
+
+
 class CheckedDecoder(hpack.Decoder):
     """hpack's decoder, whose failures h2 reports with the right error code.
 

@@ -20,7 +20,7 @@ from blocks.fields import ERROR_HEADER
 from blocks.http import BytesBody, Response, error_response
 from blocks.transport._codec import ErrorCodes, ProtocolError
 from blocks.transport._h2 import H2Driver, H2Stream, acknowledge
-from blocks.transport._validate import validate_trailers
+from blocks.transport._validate import check_header_list_size, validate_trailers
 
 if TYPE_CHECKING:
     from blocks.transport.listener import ListenerConfig
@@ -77,11 +77,18 @@ class RequestChecks(H2Driver):
         try:
             if ev.stream_ended is None:
                 raise BadRequest("a HEADERS frame after the request head without END_STREAM")
+            config = self.config
+            check_header_list_size(ev.headers, config.max_header_list_size, config.max_header_count)
             validate_trailers(ev.headers)
             if st.expected is not None and st.received != st.expected:
                 raise _length_mismatch(st.received, st.expected)
         except BlocksError as exc:
-            self.malformed(st, exc)
+            if exc.status == 431:
+                # Well-formed, only too big: refused as an oversized body is (a 431 if no
+                # response started, else a reset), its upstream stream cancelled.
+                self._refuse_body(st, 0, StreamReset(str(exc), status=431))
+            else:
+                self.malformed(st, exc)
             return
         self.on_trailers(ev)
 

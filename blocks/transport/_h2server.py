@@ -28,7 +28,14 @@ import trio
 from blocks.errors import BadRequest, BlocksError, PayloadTooLarge, StreamReset
 from blocks.http import Handler, Request, Response, abandon, empty_body, error_response, respond
 from blocks.timing import Timing
-from blocks.transport._codec import ErrorCodes, EventKind, GuardedFrameBuffer, ProtocolError, make_h2
+from blocks.transport._codec import (
+    HEADER_LIST_HARD_CAP,
+    ErrorCodes,
+    EventKind,
+    GuardedFrameBuffer,
+    ProtocolError,
+    make_h2,
+)
 from blocks.transport._h2 import H2Stream, Relay, flush_marked
 from blocks.transport._h2requests import RequestChecks
 from blocks.transport._validate import validate_request_head
@@ -49,21 +56,6 @@ _UNLIMITED = 2**62  # a limit set to None
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """The client connection preface (RFC 9113 3.4)."""
-
-HEADER_LIST_HARD_CAP = 4
-"""The hard cap on one header block, as a multiple of ``max_header_list_size``.
-
-``max_header_list_size`` is what SETTINGS_MAX_HEADER_LIST_SIZE advertises,
-and counts a block decoded (RFC 9113 6.5.2: every field's name and value,
-plus 32): over it, a validating listener answers 431 on that stream. A block
-over the hard cap ends the connection with GOAWAY(ENHANCE_YOUR_CALM): counted
-encoded (the HEADERS and CONTINUATION fragments, frame by frame, so a
-CONTINUATION flood is cut there) or decoded (an HPACK bomb, while decoding).
-Four, because HPACK spends at most 30 bits on a byte (Huffman) and a few on a
-field's lengths, where the count adds 32: no encoding of a list within the
-limit is longer than four times it, so only a client over the limit can meet
-the encoded cap.
-"""
 
 
 def _abuse_reason(message: str) -> str:

@@ -13,7 +13,7 @@ from blocks._sync import Signal
 from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from blocks.http import Headers, Request, Response, abandon, empty_body
 from blocks.transport import Address
-from blocks.transport._codec import ErrorCodes, EventKind, ProtocolError, make_h2
+from blocks.transport._codec import HEADER_LIST_HARD_CAP, ErrorCodes, EventKind, ProtocolError, make_h2
 from blocks.transport._h2 import H2Driver, H2Stream, flush_marked, in_batch
 from blocks.transport._splice import HeadFilter, Sink, Splice
 from blocks.transport.multiplexer._config import Dial, PoolStatistics, UpstreamConfig
@@ -23,6 +23,7 @@ log = logging.getLogger("blocks.multiplexer")
 
 _CANCEL = ErrorCodes.CANCEL
 _REFUSED = ErrorCodes.REFUSED_STREAM
+_PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
 
 
 def _unanswered(st: H2Stream) -> bool:
@@ -41,6 +42,8 @@ class H2ClientConnection(H2Driver):
             max_concurrent_streams=100,
             stream_window=config.stream_window,
             max_header_list_size=config.max_header_list_size,
+            # Between the two, that response alone fails (_on_response); past the cap, the connection.
+            header_list_cap=HEADER_LIST_HARD_CAP * config.max_header_list_size,
             # A GOAWAY received leaves the codec open for the frames behind it
             # (the responses of the streams it lets finish): ``accepting`` is
             # what stops new streams.
@@ -254,7 +257,9 @@ class H2ClientConnection(H2Driver):
         status = 0
         headers: Headers = []
         length = None
+        size = 0
         for name, value in ev.headers:
+            size += len(name) + len(value)
             if name[0] == 58:
                 if name == b":status":
                     status = int(value)
@@ -262,6 +267,14 @@ class H2ClientConnection(H2Driver):
                 if name == b"content-length" and value.isdigit():
                     length = int(value)
                 headers.append((name, value))
+        limit = self.pool.config.max_header_list_size
+        if size > limit - 32 * len(ev.headers):  # (RFC 9113 6.5.2's count: 32 more a field)
+            size += 32 * len(ev.headers)
+            st.error = UpstreamProtocolError(
+                f"response head of {size} bytes from {self.pool.address} is over max_header_list_size {limit}"
+            )
+            self.reset(st, _PROTOCOL_ERROR)
+            return
         if st.splice is not None:
             st.splice.head(status, headers, ev.stream_ended is not None)
             return
