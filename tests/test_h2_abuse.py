@@ -552,8 +552,9 @@ def resident_bytes() -> int:
 
 async def test_an_allowed_200_mb_upload_streams_through_the_chain_in_bounded_memory(nursery: trio.Nursery) -> None:
     """200 MiB up through edge, proxy and worker (all in this process) to a replica that counts
-    it: every byte arrives, and this process never holds 10 MiB more than before."""
-    with trio.fail_after(120):
+    it: every byte arrives, and this process never holds 10 MiB more than before. (About 15 s on a
+    quiet machine; the bound is for a hang, far above what a CPU hog beside the suite makes of it.)"""
+    with trio.fail_after(600):
         port, counter = await limited_edge(nursery, 256 * MB)
         chunk = b"u" * 65536
 
@@ -572,7 +573,7 @@ async def test_an_allowed_200_mb_upload_streams_through_the_chain_in_bounded_mem
 
         async with trio.open_nursery() as watching:
             watching.start_soon(watch)
-            async with httpx.AsyncClient(http2=True, http1=False, trust_env=False, timeout=100) as client:
+            async with httpx.AsyncClient(http2=True, http1=False, trust_env=False, timeout=None) as client:
                 response = await client.post(f"http://{HOST}:{port}/", content=upload())
             watching.cancel_scope.cancel()
         assert response.status_code == 200 and response.text == f"{200 * MB}\n"

@@ -172,7 +172,8 @@ def get(sid: int, path: bytes = b"/", *, method: bytes = b"GET", end_stream: boo
 
 class Gate:
     """The handler: ``/hold`` waits (its body unread) until ``release``; ``/read`` reads its body and
-    answers its length; anything else (an extended CONNECT too) is 200."""
+    answers its length; ``/close`` closes its body unread and answers; anything else (an extended
+    CONNECT too) is 200."""
 
     def __init__(self) -> None:
         self.held = 0
@@ -182,6 +183,9 @@ class Gate:
         if request.path == b"/hold":
             self.held += 1
             await self.release.wait()
+        if request.path == b"/close":
+            await request.body.aclose()  # done with the upload before its end; the answer still goes
+            return text_response(200, "closed\n")
         if request.path == b"/read":
             return text_response(200, f"{len(await request.body.read_all())}\n")
         return text_response(200, "ok\n")
@@ -503,6 +507,20 @@ async def test_an_upstream_response_head_over_the_limit_fails_that_response_alon
             assert echoed == b"".join(parts)
             (pool,) = chain.worker.upstreams.statistics()
             assert pool.connections == 1
+
+
+async def test_a_handler_that_closes_its_request_body_early_still_answers(nursery: trio.Nursery) -> None:
+    """RFC 9113 8.1: a server that is done with an upload answers, and only then asks the client to
+    stop with RST_STREAM(NO_ERROR); closing the body never resets the stream before its answer."""
+    with trio.fail_after(10):
+        server, _ = await listen(nursery)
+        async with connect(server.port) as raw:
+            await raw.send(get(1, b"/close", method=b"POST", end_stream=False), hf.DataFrame(1, b"x" * 100))
+            assert await status(raw, 1) == b"200"
+            assert await body(raw, 1) == b"closed\n"
+            reset = await raw.until(lambda f: isinstance(f, hf.RstStreamFrame) and f.stream_id == 1)
+            assert isinstance(reset, hf.RstStreamFrame) and reset.error_code == E.NO_ERROR
+            await goes_on(raw, 3)
 
 
 # The invariant the hard cap rests on: no encoding of a list inside the limit is longer than four times it.

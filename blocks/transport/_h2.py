@@ -404,6 +404,11 @@ class H2Driver:
         that waits ``stall_timeout`` is reset (the server's and the pool's sweepers)."""
         st.stalled_since = trio.current_time()
 
+    def body_abandoned(self, st: H2Stream) -> None:
+        """Its reader closed ``st``'s inbound body before its end: the client resets the stream (it
+        wants no more of the response); the server does not (see its override)."""
+        self.reset(st)
+
     def local_end(self, st: H2Stream) -> None:
         """Our END_STREAM on ``st`` went to the codec (the client starts the response clock here)."""
         st.local_ended = True
@@ -437,7 +442,7 @@ class H2Driver:
 
         def abandon() -> None:
             if not st.closed and conn.stream_is_open(sid):
-                self.reset(st)
+                self.body_abandoned(st)
 
         body = StreamBody(length, on_consumed=consumed, on_abandon=abandon)
         st.body = body

@@ -453,6 +453,11 @@ class H2ServerConnection(RequestChecks):
 
     # -- streams -------------------------------------------------------------------
 
+    def body_abandoned(self, st: H2Stream) -> None:
+        """A request body its handler closed early: the stream stays for the answer, which ends it
+        (RST_STREAM(NO_ERROR) after it, RFC 9113 8.1: see :meth:`_run_stream`); what the client
+        still sends meanwhile is acknowledged and dropped. A reset here would beat the answer."""
+
     async def _run_stream(self, st: H2Stream, request: Request, error: BlocksError | None) -> None:
         response: Response | None = None
         sent = False

@@ -437,9 +437,7 @@ class _H2Pool:
             if deadline > now:
                 return
             del waiting[st]
-            st.error = UpstreamTimeout(
-                f"no response from {self.address} within {self.config.response_timeout}s of the request's end"
-            )
+            st.error = UpstreamTimeout(f"no response from {self.address} within {self.config.response_timeout}s")
             conn.reset(st, _CANCEL)
 
     def _expire_stalls(self, now: float) -> None:
