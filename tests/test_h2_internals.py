@@ -282,3 +282,16 @@ def test_h2_refuses_streams_past_the_limit_it_reads_from_the_local_settings(coun
         events = codec.receive_data(client.data_to_send())
         assert [ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)] == [1, 3]
         assert codec.local_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == 1, "still advertised"
+
+
+def test_closed_streams_are_recorded_where_the_codec_bounds_them() -> None:
+    """h2 records how a stream closed in ``_closed_streams`` (item assignment only) when it sweeps
+    ``streams``, and asks ``_stream_closed_by`` whether a late frame is a stream or a connection error."""
+    closed_by = relied_on(h2.connection.H2Connection, "_stream_closed_by", "H2Codec in transport/_codec.py")
+    assert callable(closed_by)
+    assert list(inspect.signature(closed_by).parameters) == ["self", "stream_id"]
+    for name in ("_stream_is_closed_by_reset", "_stream_is_closed_by_end", "_open_streams"):
+        source = inspect.getsource(getattr(h2.connection.H2Connection, name))
+        assert "_stream_closed_by" in source or "_closed_streams[stream_id] =" in source, name
+    conn = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
+    assert type(conn._closed_streams).__name__ == "_ClosedStreams", "H2Codec.__init__ replaces h2's record"
