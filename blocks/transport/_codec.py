@@ -90,7 +90,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import h2.config
 import h2.connection
@@ -471,6 +471,7 @@ class H2Codec(h2.connection.H2Connection):
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
         self._closed_streams: _ClosedStreams = _ClosedStreams(CLOSED_STREAMS)
+        self.remote_settings = CompactSettings(client=not config.client_side)
 
     def _stream_closed_by(self, stream_id: int) -> Any:
         # h2 asks how a stream closed to choose between a stream error and a connection error
@@ -543,7 +544,35 @@ _OUTLIVE_GOAWAY = {
 }
 
 
-class _StreamsUncountedSettings(h2.settings.Settings):
+class CompactSettings(h2.settings.Settings):
+    """h2's settings, each value's history in a list where h2 keeps a ``deque`` (624 bytes each).
+
+    A connection holds two of these (ours and the peer's), some ten values
+    each: h2's deques cost about 10 KiB per connection, a quarter of an idle
+    one's memory; lists of one value, about 1.5 KiB.
+    """
+
+    def __init__(self, client: bool = True, initial_values: Mapping[Any, int] | None = None) -> None:
+        super().__init__(client, dict(initial_values) if initial_values is not None else None)
+        self._settings = cast(Any, {key: list(values) for key, values in self._settings.items()})
+
+    def __setitem__(self, key: Any, value: int) -> None:
+        super().__setitem__(key, value)  # appends to our list, or starts a deque for a new key
+        values: Any = self._settings[key]
+        if type(values) is not list:
+            self._settings[key] = cast(Any, list(values))
+
+    def acknowledge(self) -> dict[Any, h2.settings.ChangedSetting]:
+        changed = {}
+        settings: dict[Any, list[int]] = cast(Any, self._settings)
+        for key, values in settings.items():
+            if len(values) > 1:
+                old = values.pop(0)
+                changed[key] = h2.settings.ChangedSetting(key, old, values[0])
+        return changed
+
+
+class _StreamsUncountedSettings(CompactSettings):
     """Our settings, as sent, except that h2 reads no concurrent-stream limit from them.
 
     h2 answers a HEADERS frame past our SETTINGS_MAX_CONCURRENT_STREAMS with
@@ -620,7 +649,7 @@ def make_h2(
     if not huffman:
         conn.encoder = PlainEncoder()
     codes = h2.settings.SettingCodes
-    conn.local_settings = (h2.settings.Settings if count_streams else _StreamsUncountedSettings)(
+    conn.local_settings = (CompactSettings if count_streams else _StreamsUncountedSettings)(
         client=client_side,
         initial_values={
             codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
