@@ -10,7 +10,8 @@ process of its own), so that each process's RSS is its own:
     ways acknowledged) after one request. Prints each process's RSS before
     and after, and the edge's growth per connection (target <= 40 KiB), for
     the h2 half and the h1 half apart; and the c1 p50 of a new client
-    (``h2load -c 1 -m 1``) before and while they are open. The open-file
+    (``h2load -c 1 -m 1``) before, while they are open, and once they are
+    closed again (what the machine's own load makes of it meanwhile). The open-file
     limit is raised as far as the hard limit allows (``RLIMIT_NOFILE``,
     inherited by the chain's processes); when it caps N, it says so.
 
@@ -274,6 +275,7 @@ class IdleResult:
     kib_per_connection: dict[str, float] = field(default_factory=dict)  # the edge's, by kind and "all"
     p50_before_us: float = math.nan
     p50_during_us: float = math.nan
+    p50_after_us: float = math.nan  # once they are closed again: what the machine's load alone makes of it
     problems: list[str] = field(default_factory=list)
 
     def passed(self) -> bool:
@@ -331,6 +333,13 @@ def measure_idle(connections: int = 10_000, *, tmp: Path | None = None, latency_
                 result.kib_per_connection[kind] = (edge[i + 1] - edge[i]) / result.opened[kind]
         if held:
             result.kib_per_connection["all"] = (edge[-1] - edge[0]) / len(held)
+        for sock in held:
+            sock.close()
+        held.clear()
+        time.sleep(3)  # the edge sees them close
+        elapsed, problems = latencies(chain.port, latency_requests, tmp)
+        result.problems += problems
+        result.p50_after_us = percentile(sorted(elapsed), 0.5)
         result.problems += chain.dead()
     finally:
         for sock in held:
@@ -352,7 +361,10 @@ def print_idle(result: IdleResult) -> None:
         print(f"{moment:<16}" + "".join(f"{rss[n] / 1024:>10.1f}" for n in names))
     for kind, kib in result.kib_per_connection.items():
         print(f"edge growth per {kind} connection: {kib:.1f} KiB")
-    print(f"new client c1 p50: {result.p50_before_us:.0f} µs before, {result.p50_during_us:.0f} µs with them open")
+    print(
+        f"new client c1 p50: {result.p50_before_us:.0f} µs before, {result.p50_during_us:.0f} µs with them open, "
+        f"{result.p50_after_us:.0f} µs once they closed"
+    )
     for problem in result.problems:
         print(f"PROBLEM (idle): {problem}")
 
@@ -578,7 +590,8 @@ def verdict(idle: IdleResult | None, soaked: SoakResult | None) -> tuple[bool, s
         ok = ok and idle.passed()
         figures.append(
             f"{kib:.1f} KiB per idle connection over {sum(idle.opened.values())} (target <= "
-            f"{KIB_PER_CONNECTION_TARGET:.0f}), c1 p50 {idle.p50_before_us:.0f} -> {idle.p50_during_us:.0f} µs"
+            f"{KIB_PER_CONNECTION_TARGET:.0f}), c1 p50 {idle.p50_before_us:.0f} -> {idle.p50_during_us:.0f} "
+            f"-> {idle.p50_after_us:.0f} µs (before, with them open, after)"
             + (f", {len(idle.problems)} problems (target: none)" if idle.problems else "")
         )
     if soaked is not None:
