@@ -78,8 +78,9 @@ A codec also:
 The hyper-h2 codec patches h2 internals for all that (a class swap on new
 streams, whose class overrides h2's content-length checks and catches its
 stream state machine's errors on HEADERS, the frame buffer's header parsing
-and its buffering of a frame, the record of closed streams, the connection state machine's transitions and
-state, the inbound window manager's books, where h2 reads our stream limit):
+and its buffering of a frame, the record of closed streams, the storage of
+settings, the connection state machine's transitions and state, the inbound
+window manager's books, where h2 reads our stream limit):
 ``tests/test_h2_internals.py`` checks that each one is still there and
 still means what it meant, and ``pyproject.toml`` pins h2 to the minor
 release they were checked against.
@@ -468,19 +469,6 @@ class _ClosedStreams(dict[int, Any]):
 class H2Codec(h2.connection.H2Connection):
     """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`."""
 
-    def __init__(self, config: h2.config.H2Configuration) -> None:
-        super().__init__(config)
-        self._closed_streams: _ClosedStreams = _ClosedStreams(CLOSED_STREAMS)
-        self.remote_settings = CompactSettings(client=not config.client_side)
-
-    def _stream_closed_by(self, stream_id: int) -> Any:
-        # h2 asks how a stream closed to choose between a stream error and a connection error
-        # for a frame on it; None means never opened (a connection error for HEADERS).
-        closed_by = super()._stream_closed_by(stream_id)
-        if closed_by is None and stream_id <= self._closed_streams.forgotten[stream_id & 1]:
-            return h2.stream.StreamClosedBy.SEND_RST_STREAM  # forgotten, and maybe reset by us
-        return closed_by
-
     event_kinds: ClassVar[Mapping[type, EventKind]] = {
         h2.events.RequestReceived: EventKind.REQUEST,
         h2.events.ResponseReceived: EventKind.RESPONSE,
@@ -493,6 +481,19 @@ class H2Codec(h2.connection.H2Connection):
         h2.events.ConnectionTerminated: EventKind.TERMINATED,
     }
     guard: GuardedFrameBuffer | None = None
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self._closed_streams: _ClosedStreams = _ClosedStreams(CLOSED_STREAMS)
+        self.remote_settings = CompactSettings(client=not config.client_side)
+
+    def _stream_closed_by(self, stream_id: int) -> Any:
+        # h2 asks how a stream closed to choose between a stream error and a connection error
+        # for a frame on it; None means never opened (a connection error for HEADERS).
+        closed_by = super()._stream_closed_by(stream_id)
+        if closed_by is None and stream_id <= self._closed_streams.forgotten[stream_id & 1]:
+            return h2.stream.StreamClosedBy.SEND_RST_STREAM  # forgotten, and maybe reset by us
+        return closed_by
 
     def stream_is_open(self, stream_id: int) -> bool:
         stream = self.streams.get(stream_id)
