@@ -191,26 +191,28 @@ async def test_a_late_frame_on_a_forgotten_stream_is_its_error_alone(
             await books_balance(raw, server)
 
 
+@pytest.mark.parametrize("sid", [RESET, ENDED], ids=["reset", "ended"])
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_late_frame_on_a_remembered_stream_is_answered_as_h2_answers_it(
-    nursery: trio.Nursery, kind: str
+    nursery: trio.Nursery, kind: str, sid: int
 ) -> None:
-    """Within the last ``CLOSED_STREAMS`` closes, the stream the client had ended (3) is remembered so:
-    HEADERS on it is GOAWAY(STREAM_CLOSED) (RFC 9113 5.1: a frame after END_STREAM is a connection
-    error); DATA a stream error, the others ignored. What the bound trades is only this strictness."""
+    """Within the last ``CLOSED_STREAMS`` closes, h2 knows how a stream closed: HEADERS on one the
+    client had ended (3) is GOAWAY(STREAM_CLOSED) (RFC 9113 5.1: a frame after END_STREAM is a
+    connection error), on one the server reset (1) RST_STREAM(STREAM_CLOSED); DATA is a stream error
+    on either, the others are ignored. What the bound trades is only that strictness."""
     with trio.fail_after(30):
         server = await listen(nursery)
         async with connect(server.port) as raw:
             await close_two_streams(raw)
             next_sid = await close_more(raw, FIRST_FREE, CLOSED_STREAMS - 8)
-            await raw.send(late(raw, kind, ENDED))
-            if kind == "HEADERS":
+            await raw.send(late(raw, kind, sid))
+            if kind == "HEADERS" and sid == ENDED:
                 while await raw.next_frame() is not None:
                     pass
                 assert raw.goaway is not None and raw.goaway.error_code == E.STREAM_CLOSED
                 return
             await raw.ping()
-            expected = [(ENDED, E.STREAM_CLOSED)] if kind in ANSWERED else []
+            expected = [(sid, E.STREAM_CLOSED)] if kind in ANSWERED else []
             assert [(r.stream_id, r.error_code) for r in raw.resets] == expected
             await close_more(raw, next_sid, 1)
             await books_balance(raw, server)
