@@ -545,6 +545,23 @@ async def test_an_idle_h2_connection_is_closed_after_h2_idle_timeout(nursery: tr
             assert trio.current_time() - sent >= 0.5
 
 
+async def test_a_connection_with_short_requests_more_often_than_h2_idle_timeout_is_not_idle(
+    nursery: trio.Nursery,
+) -> None:
+    """Requests that each end within a watchdog's tick still make the connection busy: one every
+    0.1 s for two and a half ``h2_idle_timeout`` (1 s), and no GOAWAY; then, idle, it is closed."""
+    with trio.fail_after(20):
+        server = await listener(nursery, h2_idle_timeout=1.0)
+        async with RawFrames.open(server.port) as raw:
+            for sid in range(1, 51, 2):
+                await raw.send(raw.request(sid))
+                frame = await raw.until(lambda f: isinstance(f, hf.GoAwayFrame) or "END_STREAM" in f.flags)
+                assert not isinstance(frame, hf.GoAwayFrame), f"closed as idle after {sid // 2} requests"
+                await trio.sleep(0.1)
+            goaway = await raw.goaway()
+            assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

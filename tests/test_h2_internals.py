@@ -24,8 +24,10 @@ import hyperframe.frame
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from blocks.transport._codec import MAX_CONTINUATIONS, GuardedFrameBuffer, H2Codec, make_h2
+from blocks.transport._codec import MAX_CONTINUATIONS, CompactSettings, GuardedFrameBuffer, H2Codec, make_h2
 from blocks.transport._h2 import H2Driver, acknowledge
 
 
@@ -282,3 +284,70 @@ def test_h2_refuses_streams_past_the_limit_it_reads_from_the_local_settings(coun
         events = codec.receive_data(client.data_to_send())
         assert [ev.stream_id for ev in events if isinstance(ev, h2.events.RequestReceived)] == [1, 3]
         assert codec.local_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == 1, "still advertised"
+
+
+def test_closed_streams_are_recorded_where_the_codec_bounds_them() -> None:
+    """h2 records how a stream closed in ``_closed_streams`` (item assignment only) when it sweeps
+    ``streams``, and asks ``_stream_closed_by`` whether a late frame is a stream or a connection error."""
+    closed_by = relied_on(h2.connection.H2Connection, "_stream_closed_by", "H2Codec in transport/_codec.py")
+    assert callable(closed_by)
+    assert list(inspect.signature(closed_by).parameters) == ["self", "stream_id"]
+    for name in ("_stream_is_closed_by_reset", "_stream_is_closed_by_end", "_open_streams"):
+        source = inspect.getsource(getattr(h2.connection.H2Connection, name))
+        assert "_stream_closed_by" in source or "_closed_streams[stream_id] =" in source, name
+    conn = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
+    assert type(conn._closed_streams).__name__ == "_ClosedStreams", "H2Codec.__init__ replaces h2's record"
+
+
+_SETTING_VALUES = {
+    h2.settings.SettingCodes.HEADER_TABLE_SIZE: st.integers(0, 65536),
+    h2.settings.SettingCodes.ENABLE_PUSH: st.integers(0, 1),
+    h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: st.integers(0, 1000),
+    h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: st.integers(0, 2**31 - 1),
+    h2.settings.SettingCodes.MAX_FRAME_SIZE: st.integers(16384, 2**24 - 1),
+    h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: st.integers(0, 2**20),
+    h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: st.integers(0, 1),
+    0x99: st.integers(0, 2**32 - 1),  # unknown to h2: kept as received
+}
+_SETTING_OPS = st.lists(
+    st.one_of(
+        st.just(None),
+        st.sampled_from(list(_SETTING_VALUES)).flatmap(lambda k: st.tuples(st.just(k), _SETTING_VALUES[k])),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(client=st.booleans(), ops=_SETTING_OPS)
+def test_compact_settings_read_and_acknowledge_as_h2s_do(client: bool, ops: list[tuple[int, int] | None]) -> None:
+    """``CompactSettings`` (lists where h2 keeps deques) is h2's ``Settings`` over any sequence of
+    values set (sent or received) and acknowledgements: same values, same changes reported."""
+    initial = {
+        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100,
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 18,
+    }
+    ours, theirs = CompactSettings(client, initial), h2.settings.Settings(client, dict(initial))
+    for op in ops:
+        if op is None:
+            changed = ours.acknowledge()
+            expected = theirs.acknowledge()
+            assert {k: (c.original_value, c.new_value) for k, c in changed.items()} == {
+                k: (c.original_value, c.new_value) for k, c in expected.items()
+            }
+        else:
+            ours[op[0]] = theirs[op[0]] = op[1]
+        assert _values(ours) == _values(theirs)
+        assert ours.max_concurrent_streams == theirs.max_concurrent_streams
+        assert ours.max_header_list_size == theirs.max_header_list_size
+
+
+def _values(settings: h2.settings.Settings) -> dict[int, int | None]:
+    """Each setting's current value; None for one set and not yet acknowledged (h2 raises KeyError there)."""
+    out: dict[int, int | None] = {}
+    for key in list(settings):
+        try:
+            out[key] = settings[key]
+        except KeyError:
+            out[key] = None
+    return out

@@ -69,13 +69,18 @@ A codec also:
   makes one beside the state machine, ``reopen_after_goaway`` puts the
   state back after one is received, and ``outlive_goaway`` lets the frames
   that follow a received GOAWAY in the same read through (python-hyper/h2#1181);
-- keeps the inbound window books: ``inbound_books()`` is ``(window, unacknowledged)``.
+- keeps the inbound window books: ``inbound_books()`` is ``(window, unacknowledged)``;
+- remembers a bounded number of closed streams (:data:`CLOSED_STREAMS`), and
+  answers a late frame on one it forgot as on a stream it reset: a stream
+  error or nothing, never a connection error, its DATA counted against the
+  connection's window and given back.
 
 The hyper-h2 codec patches h2 internals for all that (a class swap on new
 streams, whose class overrides h2's content-length checks and catches its
 stream state machine's errors on HEADERS, the frame buffer's header parsing
-and its buffering of a frame, the connection state machine's transitions and
-state, the inbound window manager's books, where h2 reads our stream limit):
+and its buffering of a frame, the record of closed streams, the storage of
+settings, the connection state machine's transitions and state, the inbound
+window manager's books, where h2 reads our stream limit):
 ``tests/test_h2_internals.py`` checks that each one is still there and
 still means what it meant, and ``pyproject.toml`` pins h2 to the minor
 release they were checked against.
@@ -86,7 +91,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import h2.config
 import h2.connection
@@ -424,6 +429,43 @@ _REMOTE_OPEN = frozenset(
 )
 
 
+CLOSED_STREAMS = 256
+"""Closed streams a connection remembers (h2: 65,536, 7.5 MiB per busy connection; here about 17 KiB).
+
+Remembering a closed stream only decides how a late HEADERS frame on it is
+answered: a connection error if the peer had ended the stream, else a
+stream error. A forgotten stream is taken for one we reset (see
+:class:`_ClosedStreams`), so any late frame on it is a stream error or
+ignored, and its DATA still counted and given back (docs/limits.md).
+"""
+
+
+class _ClosedStreams(dict[int, Any]):
+    """h2's record of how each closed stream closed (``H2Connection._closed_streams``), bounded.
+
+    Past ``limit`` the oldest close is forgotten, and ``forgotten`` keeps the
+    highest id forgotten so far, per parity: an id at or under it that is not
+    remembered may be a stream we reset, whose late frames RFC 9113 5.1 says
+    to ignore, not one never opened. A dict: two thirds of h2's OrderedDict.
+    """
+
+    __slots__ = ("forgotten", "limit")
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.forgotten = [0, 0]
+
+    def __setitem__(self, stream_id: int, closed_by: Any) -> None:
+        super().__setitem__(stream_id, closed_by)
+        if len(self) > self.limit:
+            oldest = next(iter(self))
+            del self[oldest]
+            parity = oldest & 1
+            if oldest > self.forgotten[parity]:
+                self.forgotten[parity] = oldest
+
+
 class H2Codec(h2.connection.H2Connection):
     """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`."""
 
@@ -439,6 +481,19 @@ class H2Codec(h2.connection.H2Connection):
         h2.events.ConnectionTerminated: EventKind.TERMINATED,
     }
     guard: GuardedFrameBuffer | None = None
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self._closed_streams: _ClosedStreams = _ClosedStreams(CLOSED_STREAMS)
+        self.remote_settings = CompactSettings(client=not config.client_side)
+
+    def _stream_closed_by(self, stream_id: int) -> Any:
+        # h2 asks how a stream closed to choose between a stream error and a connection error
+        # for a frame on it; None means never opened (a connection error for HEADERS).
+        closed_by = super()._stream_closed_by(stream_id)
+        if closed_by is None and stream_id <= self._closed_streams.forgotten[stream_id & 1]:
+            return h2.stream.StreamClosedBy.SEND_RST_STREAM  # forgotten, and maybe reset by us
+        return closed_by
 
     def stream_is_open(self, stream_id: int) -> bool:
         stream = self.streams.get(stream_id)
@@ -490,7 +545,35 @@ _OUTLIVE_GOAWAY = {
 }
 
 
-class _StreamsUncountedSettings(h2.settings.Settings):
+class CompactSettings(h2.settings.Settings):
+    """h2's settings, each value's history in a list where h2 keeps a ``deque`` (624 bytes each).
+
+    A connection holds two of these (ours and the peer's), some ten values
+    each: h2's deques cost about 10 KiB per connection, a quarter of an idle
+    one's memory; lists of one value, about 1.5 KiB.
+    """
+
+    def __init__(self, client: bool = True, initial_values: Mapping[Any, int] | None = None) -> None:
+        super().__init__(client, dict(initial_values) if initial_values is not None else None)
+        self._settings = cast(Any, {key: list(values) for key, values in self._settings.items()})
+
+    def __setitem__(self, key: Any, value: int) -> None:
+        super().__setitem__(key, value)  # appends to our list, or starts a deque for a new key
+        values: Any = self._settings[key]
+        if type(values) is not list:
+            self._settings[key] = cast(Any, list(values))
+
+    def acknowledge(self) -> dict[Any, h2.settings.ChangedSetting]:
+        changed = {}
+        settings: dict[Any, list[int]] = cast(Any, self._settings)
+        for key, values in settings.items():
+            if len(values) > 1:
+                old = values.pop(0)
+                changed[key] = h2.settings.ChangedSetting(key, old, values[0])
+        return changed
+
+
+class _StreamsUncountedSettings(CompactSettings):
     """Our settings, as sent, except that h2 reads no concurrent-stream limit from them.
 
     h2 answers a HEADERS frame past our SETTINGS_MAX_CONCURRENT_STREAMS with
@@ -567,7 +650,7 @@ def make_h2(
     if not huffman:
         conn.encoder = PlainEncoder()
     codes = h2.settings.SettingCodes
-    conn.local_settings = (h2.settings.Settings if count_streams else _StreamsUncountedSettings)(
+    conn.local_settings = (CompactSettings if count_streams else _StreamsUncountedSettings)(
         client=client_side,
         initial_values={
             codes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
