@@ -238,8 +238,8 @@ late_frames = st.lists(
     st.tuples(
         st.sampled_from(KINDS),
         st.sampled_from([RESET, ENDED]),
-        st.integers(0, 16384),  # DATA: its length
-        st.none() | st.integers(0, 255),  # DATA: its padding
+        st.integers(0, 16384 - 256),  # DATA: its length (with the padding, within MAX_FRAME_SIZE)
+        st.none() | st.integers(0, 255),  # DATA: its padding (and its length byte)
     ),
     min_size=1,
     max_size=24,
