@@ -18,7 +18,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs
 
 import attrs
@@ -255,7 +255,7 @@ class RawFrames:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, port: int, *, settings: Mapping[int, int] | None = None) -> AsyncIterator[RawFrames]:
+    async def open(cls, port: int, *, settings: Mapping[int, int] | None = None) -> AsyncIterator[Self]:
         """Connect, send the preface and a SETTINGS frame (``settings``, empty by default)."""
         stream = await trio.open_tcp_stream(HOST, port)
         async with stream:

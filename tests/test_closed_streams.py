@@ -19,8 +19,6 @@ waits for the state it asserts.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import h2.config
 import h2.connection
@@ -33,7 +31,7 @@ from hypothesis import strategies as st
 
 from blocks import HTTPServer, ListenerConfig, Request, Response, serve_http, text_response
 from blocks.transport._codec import CLOSED_STREAMS, make_h2
-from tests.support import H2_PREFACE, HOST, RawFrames
+from tests.support import RawFrames
 
 E = h2.errors.ErrorCodes
 Frame = hf.Frame
@@ -93,14 +91,6 @@ class Client(RawFrames):
         """Trailers that index a field (the server must decode them, or the next head is garbled)."""
         block = bytes(self.encoder.encode([(b"x-late", b"trailer %d" % sid)], huffman=False))
         return hf.HeadersFrame(sid, block, flags=["END_HEADERS", "END_STREAM"])
-
-
-@asynccontextmanager
-async def connect(port: int) -> AsyncIterator[Client]:
-    async with await trio.open_tcp_stream(HOST, port) as stream:
-        raw = Client(stream)
-        await raw.send(H2_PREFACE, hf.SettingsFrame(0))
-        yield raw
 
 
 async def listen(nursery: trio.Nursery) -> HTTPServer:
@@ -180,7 +170,7 @@ async def test_a_late_frame_on_a_forgotten_stream_is_its_error_alone(
     connection serves on, its HPACK state intact, and the DATA was counted and given back."""
     with trio.fail_after(30):
         server = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await close_two_streams(raw)
             next_sid = await close_more(raw, FIRST_FREE, CLOSED_STREAMS + 8)
             await raw.send(late(raw, kind, sid))
@@ -202,7 +192,7 @@ async def test_a_late_frame_on_a_remembered_stream_is_answered_as_h2_answers_it(
     on either, the others are ignored. What the bound trades is only that strictness."""
     with trio.fail_after(30):
         server = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await close_two_streams(raw)
             next_sid = await close_more(raw, FIRST_FREE, CLOSED_STREAMS - 8)
             await raw.send(late(raw, kind, sid))
@@ -225,7 +215,7 @@ async def test_a_stream_id_never_opened_and_above_every_forgotten_one_is_still_a
     (RFC 9113 5.1.1), as h2 answers it."""
     with trio.fail_after(30):
         server = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await close_more(raw, 1, 2)  # 1, 3
             await close_more(raw, 9, 1)  # 5 and 7 are never opened
             await raw.send(raw.request(7))
@@ -260,7 +250,7 @@ def test_the_connection_window_balances_whatever_late_frames_come(
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 server = await listen(nursery)
-                async with connect(server.port) as raw:
+                async with Client.open(server.port) as raw:
                     await close_two_streams(raw)
                     next_sid = await close_more(raw, FIRST_FREE, CLOSED_STREAMS + 8)
                     out: list[Frame] = []

@@ -22,8 +22,7 @@ from __future__ import annotations
 import functools
 import socket
 import ssl
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import h2.errors
@@ -206,15 +205,6 @@ class Client(RawFrames):
         return frame
 
 
-@asynccontextmanager
-async def connect(port: int) -> AsyncIterator[Client]:
-    """Connect, send the preface and an empty SETTINGS frame."""
-    async with await trio.open_tcp_stream(HOST, port) as stream:
-        raw = Client(stream)
-        await raw.send(H2_PREFACE, hf.SettingsFrame(0))
-        yield raw
-
-
 async def listen(nursery: trio.Nursery, **config: object) -> tuple[HTTPServer, Gate]:
     gate = Gate()
     server: HTTPServer = await nursery.start(
@@ -293,7 +283,7 @@ async def goes_on(raw: Client, sid: int) -> None:
 async def test_the_settings_frame_advertises_what_is_enforced(nursery: trio.Nursery, config: ListenerConfig) -> None:
     with trio.fail_after(10):
         server: HTTPServer = await nursery.start(functools.partial(serve_http, Gate(), config=config))
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             first = await raw.next_frame()
             assert isinstance(first, hf.SettingsFrame) and "ACK" not in first.flags
             assert dict(first.settings) == {
@@ -328,7 +318,7 @@ async def test_a_header_list_up_to_the_advertised_size_is_served_and_one_over_is
     block over the limit is still only that stream's 431; a stream already open is answered after it."""
     with trio.fail_after(10):
         server, gate = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(get(1, b"/hold"))
             await wait_for(lambda: gate.held == 1)
             await raw.send(*frames(3, block(fields)))
@@ -357,7 +347,7 @@ async def test_a_header_block_is_cut_once_its_encoded_size_passes_the_hard_cap(
         server, _ = await listen(nursery)
         data = wide_block(size)
         assert L < decoded_of(data) <= CAP
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*frames(1, data, end_headers=ended))
             if refused:
                 await closed_with(raw, E.ENHANCE_YOUR_CALM, last_stream_id=0)
@@ -386,7 +376,7 @@ async def test_a_header_list_is_cut_once_it_decodes_past_the_hard_cap(
         server, _ = await listen(nursery)
         data = bomb(size)
         assert len(data) < 16384 and decoded_of(data) == size
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*frames(1, data))
             if refused:
                 await closed_with(raw, E.ENHANCE_YOUR_CALM)
@@ -409,7 +399,7 @@ async def test_a_header_block_takes_at_most_63_continuation_frames(
         out: list[hf.Frame] = [hf.HeadersFrame(1, pieces[0], flags=["END_STREAM"])]
         out += [hf.ContinuationFrame(1, piece) for piece in pieces[1:]]
         out[-1].flags.add("END_HEADERS")
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*out)
             if refused:
                 await closed_with(raw, E.ENHANCE_YOUR_CALM)
@@ -421,7 +411,7 @@ async def test_a_header_block_takes_at_most_63_continuation_frames(
 async def test_max_header_count_counts_regular_fields(nursery: trio.Nursery, count: int, expected: bytes) -> None:
     with trio.fail_after(10):
         server, _ = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*frames(1, block([*request(), *[(b"x-f%d" % i, b"v") for i in range(count)]])))
             assert await status(raw, 1) == expected
             await goes_on(raw, 3)
@@ -438,7 +428,7 @@ async def test_trailers_are_held_to_the_header_list_limit_on_their_stream(
     trailers = [(b"x-big", b"t" * (size - len(b"x-big") - 32))]
     with trio.fail_after(10):
         server, _ = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(
                 get(1, b"/read", method=b"POST", end_stream=False),
                 hf.DataFrame(1, b"12345"),
@@ -462,7 +452,7 @@ async def test_what_the_edge_accepts_goes_through_every_hop(nursery: trio.Nurser
             functools.partial(serve_http, DemoApp("replica-0"), config=ListenerConfig(max_header_list_size=2 * L))
         )
         chain = await assemble_local(nursery, {"replica-0": LocalReplica((HOST, roomy.port))})
-        async with connect(chain.port) as raw:
+        async with Client.open(chain.port) as raw:
             await raw.send(*frames(1, block(head_of(size))))
             assert await status(raw, 1) == expected
             if expected == b"200":
@@ -514,7 +504,7 @@ async def test_a_handler_that_closes_its_request_body_early_still_answers(nurser
     stop with RST_STREAM(NO_ERROR); closing the body never resets the stream before its answer."""
     with trio.fail_after(10):
         server, _ = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(get(1, b"/close", method=b"POST", end_stream=False), hf.DataFrame(1, b"x" * 100))
             assert await status(raw, 1) == b"200"
             assert await body(raw, 1) == b"closed\n"
@@ -561,7 +551,7 @@ def test_every_head_gets_the_answer_its_size_calls_for(heads: list[tuple[int, in
             async with trio.open_nursery() as nursery:
                 server, _ = await listen(nursery, max_header_list_size=limit)
                 while pending:
-                    async with connect(server.port) as raw:
+                    async with Client.open(server.port) as raw:
                         sid = 1
                         while pending:
                             size, count, huffman = pending.pop(0)
@@ -593,7 +583,7 @@ async def test_the_dynamic_table_takes_at_most_header_table_size(
     decoding error, GOAWAY(COMPRESSION_ERROR) (RFC 7541 6.3, RFC 9113 4.3)."""
     with trio.fail_after(10):
         server, _ = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*frames(1, table_size_update(size) + block(request())))
             if refused:
                 await closed_with(raw, E.COMPRESSION_ERROR)
@@ -606,7 +596,7 @@ async def test_the_dynamic_table_takes_at_most_header_table_size(
 async def test_a_frame_is_at_most_max_frame_size(nursery: trio.Nursery, kind: str, length: int, refused: bool) -> None:
     with trio.fail_after(10):
         server, _ = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             if kind == "DATA":
                 await raw.send(get(1, b"/read", method=b"POST", end_stream=False))
                 await raw.send(hf.DataFrame(1, b"d" * length, flags=["END_STREAM"]))
@@ -626,7 +616,7 @@ async def test_an_oversized_frame_is_refused_from_its_header_before_its_payload(
     where waiting for the payload would hold 16 MiB per connection."""
     with trio.fail_after(10):
         server, _ = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(get(1, b"/hold", method=b"POST", end_stream=False))
             await raw.send((2**24 - 1).to_bytes(3) + b"\x00\x00\x00\x00\x00\x01")  # DATA on stream 1
             await closed_with(raw, E.FRAME_SIZE_ERROR)
@@ -640,7 +630,7 @@ async def test_a_stream_past_max_concurrent_streams_is_refused_alone(nursery: tr
     (RFC 9113 5.1.2: a stream error), the four are answered, and the connection opens more."""
     with trio.fail_after(10):
         server, gate = await listen(nursery, max_concurrent_streams=4)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*[get(sid, b"/hold") for sid in (1, 3, 5, 7)])
             await wait_for(lambda: gate.held == 4)
             await raw.send(get(9))
@@ -665,7 +655,7 @@ async def test_a_stream_takes_its_window_and_no_more(nursery: trio.Nursery, sent
     the stream's window; one byte more is GOAWAY(FLOW_CONTROL_ERROR)."""
     with trio.fail_after(10):
         server, gate = await listen(nursery)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(get(1, b"/hold", method=b"POST", end_stream=False), *data_frames(1, sent))
             if refused:
                 await closed_with(raw, E.FLOW_CONTROL_ERROR)
@@ -680,7 +670,7 @@ async def test_a_connection_takes_its_window_and_no_more(nursery: trio.Nursery, 
     byte more, on a third stream, is GOAWAY(FLOW_CONTROL_ERROR)."""
     with trio.fail_after(10):
         server, gate = await listen(nursery, stream_window=65535, connection_window=2 * 65535)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             for sid in (1, 3):
                 await raw.send(get(sid, b"/hold", method=b"POST", end_stream=False), *data_frames(sid, 65535))
             await raw.send(get(5, b"/hold", method=b"POST", end_stream=False))
@@ -709,7 +699,7 @@ async def test_extended_connect_is_taken_only_where_advertised(
             (b":path", b"/chat"),
             (b"sec-websocket-version", b"13"),
         ]
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             first = await raw.next_frame()
             assert isinstance(first, hf.SettingsFrame)
             assert first.settings[S.ENABLE_CONNECT_PROTOCOL] == int(enabled)
@@ -737,7 +727,7 @@ async def test_max_client_resets_is_a_count_and_a_share(
     before they were answered, and more than half of them; the request behind the last reset tells."""
     with trio.fail_after(10):
         server, gate = await listen(nursery, max_client_resets=10)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             sids = list(range(1, 2 * answered, 2))
             await raw.send(*[get(sid) for sid in sids])
             for sid in sids:
@@ -758,7 +748,7 @@ async def test_max_client_resets_is_a_count_and_a_share(
 async def test_max_empty_frames_in_a_row(nursery: trio.Nursery, kind: str, empty: int, closed: bool) -> None:
     with trio.fail_after(10):
         server, _ = await listen(nursery, max_empty_frames=3)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             if kind == "DATA":
                 await raw.send(get(1, b"/read", method=b"POST", end_stream=False))
                 await raw.send(
@@ -782,7 +772,7 @@ async def test_flood_limit_counts_control_frames(nursery: trio.Nursery, pings: i
     """``flood_limit=50``: the client's SETTINGS and 49 PINGs are 50 control frames; one more closes."""
     with trio.fail_after(10):
         server, _ = await listen(nursery, flood_limit=50)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             await raw.send(*[hf.PingFrame(0, opaque_data=b"%08d" % i) for i in range(pings)], get(1))
             if closed:
                 await closed_with(raw, E.ENHANCE_YOUR_CALM)
@@ -796,7 +786,7 @@ async def test_a_declared_length_up_to_max_request_body_is_read(
 ) -> None:
     with trio.fail_after(10):
         server, _ = await listen(nursery, max_request_body=1000)
-        async with connect(server.port) as raw:
+        async with Client.open(server.port) as raw:
             head = [*request(b"/read", b"POST"), (b"content-length", b"%d" % declared)]
             await raw.send(
                 *frames(1, block(head), end_stream=False), hf.DataFrame(1, b"b" * declared, flags=["END_STREAM"])

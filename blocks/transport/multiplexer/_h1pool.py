@@ -36,7 +36,7 @@ _OWN_FIELDS = frozenset({*KEY_FIELDS, b"sec-websocket-version", b"content-length
 
 
 class _H1Connection(H1Stream):
-    __slots__ = ("pumping", "stalled", "tcp")
+    __slots__ = ("pumping", "tcp")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         super().__init__(stream, h11.Connection(h11.CLIENT))
@@ -45,7 +45,6 @@ class _H1Connection(H1Stream):
         assert type(tcp) is trio.SocketStream
         self.tcp = tcp
         self.pumping = False
-        self.stalled = False  # the upstream took no byte of the request for stall_timeout (the pump)
 
     def close(self) -> None:
         self.tcp.socket.close()
@@ -265,7 +264,7 @@ class _H1Pool:
                 if type(event) is h11.Response:
                     break
         if scope.cancelled_caught:
-            if conn.stalled:
+            if scope.deadline == math.inf:  # never started: the pump cancelled it, stalled
                 raise UpstreamTimeout(f"{self.address} took no byte of the request for {self.config.stall_timeout}s")
             raise UpstreamTimeout(f"no response from {self.address} within {timeout}s of the request's end")
         length = None
@@ -307,7 +306,6 @@ class _H1Pool:
                 stuck.deadline = trio.current_time() + stall
                 await conn.stream.send_all(h.send(h11.EndOfMessage(headers=body.trailers or [])))
             if stuck.cancelled_caught:
-                conn.stalled = True
                 clock.cancel()
                 await trio.aclose_forcefully(conn.stream)
                 return
