@@ -241,3 +241,22 @@ def test_merged_metrics_label_every_sample_with_its_process() -> None:
     assert samples == [({"hop": "edge", "process": "0"}, 3.0), ({"hop": "edge", "process": "1"}, 3.0)]
     up = [(s.labels["process"], s.value) for s in families["proxyblocks_process_up"].samples]
     assert up == [("0", 1.0), ("1", 1.0), ("2", 0.0)]
+
+
+async def test_the_processes_do_not_outlive_a_killed_parent() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2")
+            pids = [int(pid) for pid in (await lines.until(PROCESSES)).groups()[:2]]
+            process.kill()  # no drain of its own: each process reads end-of-file on its link and drains
+            await process.wait()
+            while any(_alive(pid) for pid in pids):
+                await trio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
