@@ -191,6 +191,8 @@ class CommandParser(argparse.ArgumentParser):
         parsed = super().parse_args(argv, settings)
         if (getattr(parsed, "cert", None) is None) != (getattr(parsed, "key", None) is None):
             self.error("--cert and --key go together")
+        if getattr(parsed, "tls", False) and getattr(parsed, "processes", 1) > 1:
+            self.error("--tls makes a certificate in each process: with --processes, use --cert and --key")
         if not self._raising:
             configure_logging(parsed.log_level)
         slot = _supervised()

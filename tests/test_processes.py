@@ -194,6 +194,8 @@ async def test_a_bad_flag_with_processes_is_one_line() -> None:
     assert_one_line_error(code, stdout, stderr, "--port")
     code, stdout, stderr = await run_recipe("chain", "--processes", "0")
     assert_one_line_error(code, stdout, stderr, "--processes")
+    code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--tls")  # (a certificate each)
+    assert_one_line_error(code, stdout, stderr, "--tls", "--cert")
 
 
 async def test_a_process_that_cannot_start_ends_the_parent_with_its_one_line(tmp_path: Path) -> None:
