@@ -18,7 +18,7 @@ import httpx
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from support import Lines, http_server, start_recipe
+from support import Lines, curl, http_server, start_recipe
 from test_startup_errors import assert_one_line_error, run_recipe
 
 from blocks import Chain, WorkerSessionConfig, serve_chain
@@ -263,3 +263,26 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+async def test_each_fleet_proxy_is_n_processes() -> None:
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2", recipe="fleet")
+            shared = [
+                (await lines.until(rf"^\[{name}\] processes: (\d+) (\d+) \(sharing (\S+)\)$")).groups() for name in "ab"
+            ]
+            for *pids, where in shared:
+                assert all(_alive(int(pid)) for pid in pids)
+                for _ in range(4):
+                    # curl, as the recipe says (a proxy trusts an edge to have dropped hop-by-hop fields)
+                    assert (
+                        await curl(
+                            "-o", "/dev/null", "-w", "%{http_code}", "-H", "host: demo.example", f"http://{where}/"
+                        )
+                        == "200"
+                    )
+            process.send_signal(signal.SIGTERM)
+            await lines.until(r"^stopped$")
+            assert await process.wait() == 0
+    assert not any(_alive(int(pid)) for *pids, _ in shared for pid in pids)
