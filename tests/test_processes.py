@@ -50,12 +50,14 @@ async def edge_counts(admin: str) -> dict[str, float]:
     return counts
 
 
-async def until_both_count(url: str, admin: str, since: dict[str, float] | None = None, path: str = "/") -> list[str]:
+async def until_both_count(
+    url: str, admin: str, since: dict[str, float] | None = None, path: str = "/", **headers: str
+) -> list[str]:
     """Requests on new connections until both processes counted one more than ``since``; their bodies."""
     since = since or {}
     bodies = []
     while True:
-        response = await get(f"{url}{path}")
+        response = await get(f"{url}{path}", **headers)
         assert response.status_code == 200, response.text
         bodies.append(response.text)
         counts = await edge_counts(admin)
@@ -111,24 +113,40 @@ async def test_a_killed_process_is_started_again_and_the_port_stays_served() -> 
 
 
 async def test_sighup_reaches_every_process(tmp_path: Path) -> None:
-    config = tmp_path / "chain.toml"
+    config, routes = tmp_path / "chain.toml", tmp_path / "routes.toml"
     with trio.fail_after(120):
         async with (
             http_server(tmp_path / "a", b"A\n") as a,
             http_server(tmp_path / "b", b"B\n") as b,
             trio.open_nursery() as nursery,
         ):
-            config.write_text(f'replica = ["http://{a[0]}:{a[1]}"]\n')
-            args = ("--processes", "2", "--admin-port", "0", "--config", str(config))
-            process, lines = await start_recipe(nursery, *args)
+            config.write_text(f'replica = ["http://{a[0]}:{a[1]}"]\nroutes = "routes.toml"\n')
+            routes.write_text("[domains]\n")
+            process, lines = await start_recipe(
+                nursery, "--processes", "2", "--admin-port", "0", "--config", str(config)
+            )
             url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            worker = (await lines.until(r"^worker listening on h2c://(\S+)$")).group(1)
             admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
             assert set(await until_both_count(url, admin, path="/hello.txt")) == {"A\n"}
+            # The config file's replicas, reloaded by SIGHUP in both processes:
             before = await edge_counts(admin)
-            config.write_text(f'replica = ["http://{b[0]}:{b[1]}"]\n')
+            config.write_text(f'replica = ["http://{b[0]}:{b[1]}"]\nroutes = "routes.toml"\n')
             process.send_signal(signal.SIGHUP)
             await lines.next(r"^reloaded$")
-            assert set(await until_both_count(url, admin, before, path="/hello.txt")) == {"B\n"}  # both reloaded
+            assert set(await until_both_count(url, admin, before, path="/hello.txt")) == {"B\n"}
+            # A route file edit, loaded by SIGHUP in both at once (before their watches would see it):
+            before = await edge_counts(admin)
+            staged = tmp_path / "routes.new"
+            staged.write_text(
+                '[domains]\n"other.example" = "other"\n'
+                f'[apps.other.replicas.a]\nworker = "{worker}"\naddress = "{a[0]}:{a[1]}"\nprotocol = "h1"\n'
+            )
+            staged.replace(routes)
+            process.send_signal(signal.SIGHUP)
+            await lines.next(r"^reloaded$")
+            answers = await until_both_count(url, admin, before, path="/hello.txt", host="other.example")
+            assert set(answers) == {"A\n"}
             await stop(process, lines)
 
 
