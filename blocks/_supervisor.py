@@ -39,6 +39,7 @@ import trio
 
 from blocks.command import SUPERVISED_VARIABLE, Operations
 from blocks.observe import ProcessAdmin, serve_merged_admin
+from blocks.transport.listener import HTTPServer
 
 FIRST_BACKOFF = 0.1
 """Seconds before a dead child is started again, the first time (doubled each time after)."""
@@ -108,6 +109,13 @@ class Child:
     )
 
 
+def _one_cause(error: BaseException) -> BaseException:
+    """The one error inside nested exception groups of one (what nurseries wrap), else ``error``."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 def _ended(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
 
@@ -147,9 +155,20 @@ class Supervisor:
         code = 0
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
+                admin = None
+                if self.admin_port is not None:  # bound before any child starts: taken, it is one line
+                    serve = functools.partial(serve_merged_admin, self.processes, host=self.host, port=self.admin_port)
+                    try:
+                        admin = await nursery.start(serve)
+                    except BaseException as exc:
+                        cause = _one_cause(exc)  # (a nursery on the way may wrap it)
+                        if not isinstance(cause, OSError):
+                            raise
+                        print(f"proxyblocks: error: {cause}", file=sys.stderr, flush=True)
+                        return 2
                 for child in self.children:
                     nursery.start_soon(self._keep, child)
-                nursery.start_soon(self._announce, nursery)
+                nursery.start_soon(self._announce, admin)
                 async for signum in signals:
                     if self.fatal is not None:
                         break
@@ -182,18 +201,12 @@ class Supervisor:
             print("stopped", flush=True)
         return code
 
-    async def _announce(self, nursery: trio.Nursery) -> None:
+    async def _announce(self, admin: HTTPServer | None) -> None:
         await self.wait_for(lambda: all(child.serving for child in self.children))
         self.started = True
         print(f"processes: {self.pids()} (sharing {self.host}:{self.port})", flush=True)
-        if self.admin_port is not None:
-            serve = functools.partial(serve_merged_admin, self.processes, host=self.host, port=self.admin_port)
-            try:
-                server = await nursery.start(serve)
-            except OSError as exc:
-                self._fail(str(exc))
-                return
-            print(f"admin listening on http://{self.host}:{server.port}", flush=True)
+        if admin is not None:
+            print(f"admin listening on http://{self.host}:{admin.port}", flush=True)
 
     def _fail(self, reason: str) -> None:
         """End the command (exit 2, ``reason`` on one line): a child could not start."""
@@ -241,6 +254,8 @@ class Supervisor:
             theirs.close()
         child.process, child.pid, child.admin, child.error = process, process.pid, None, None
         child.starts += 1
+        if self.stopping:  # (it was being started as the drain began: it drains too)
+            process.send_signal(signal.SIGTERM)
         link = trio.socket.from_stdlib_socket(ours)
         try:
             buffer = b""

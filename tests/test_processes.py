@@ -228,7 +228,9 @@ async def test_a_port_in_use_is_one_line() -> None:
         taken.listen(1)
         port = taken.getsockname()[1]
         code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--port", str(port))
-    assert_one_line_error(code, stdout, stderr, f"127.0.0.1:{port}")
+        assert_one_line_error(code, stdout, stderr, f"127.0.0.1:{port}")
+        code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--admin-port", str(port))
+        assert_one_line_error(code, stdout, stderr, f"127.0.0.1:{port}")
 
 
 def test_the_budgets_are_split_so_n_processes_admit_what_one_did() -> None:
