@@ -18,6 +18,10 @@ run it also reports the CPU the chain's processes and h2load used (cores,
 over the run's wall time) and the busiest process's share of the requests
 (the kernel spreads connections by a hash of their addresses, not evenly).
 
+For information, each round also loads two one-process chains at once, each
+with an h2load of its own (``-c C/2``): two chains that share nothing but the
+machine, the most ``--processes 2`` could reach here.
+
 Then, for each target, a route file edit: a new domain routed to a new app;
 the time from the file's replacement until every process has answered a
 request for that domain by the new route (requests on new connections, so
@@ -39,6 +43,7 @@ Run it from the repository root (needs h2load: apt-get install nghttp2-client):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import http.client
 import math
 import os
@@ -61,6 +66,8 @@ RPS_TARGET = 1.8
 P50_TARGET = 1.05
 """2 processes' c1 p50 / 1 process's, at most."""
 TARGETS = {"1 process": 1, "2 processes": 2}
+APART = "2 chains apart"
+"""For information: two one-process chains, each loaded by an h2load of its own at once (the ceiling)."""
 
 
 @dataclass
@@ -131,18 +138,25 @@ class ScaleReport:
         """The table and the ratios (without the verdict line)."""
         out = [*self.header, ""]
         out.append(
-            f"{'target':<12} {'rps':>8} {'c1 p50 µs':>10} {'c1 p99 µs':>10} {'chain cores':>12} "
+            f"{'target':<14} {'rps':>8} {'c1 p50 µs':>10} {'c1 p99 µs':>10} {'chain cores':>12} "
             f"{'h2load cores':>13} {'busiest':>8} {'route change s (each run)':>26}"
         )
         for f in self.figures.values():
-            changes = " ".join(f"{s:.2f}" for s in f.propagation_s) or "-"
+            changes = " ".join(f"{seconds:.2f}" for seconds in f.propagation_s) or "-"
             out.append(
-                f"{f.name:<12} {f.rps:>8.0f} {f.p50_us:>10.0f} {f.p99_us:>10.0f} {f.chain_cores:>12.2f} "
+                f"{f.name:<14} {f.rps:>8.0f} {f.p50_us:>10.0f} {f.p99_us:>10.0f} {f.chain_cores:>12.2f} "
                 f"{f.h2load_cores:>13.2f} {f.busiest:>8.0%} {changes:>26}"
             )
         out.append("")
         out.append(f"rps 2 processes / 1 process:    {self.rps_ratio:.2f}  (target >= {RPS_TARGET})")
         out.append(f"c1 p50 2 processes / 1 process: {self.p50_ratio:.2f}  (target <= {P50_TARGET})")
+        if APART in self.figures and not math.isnan(self.figures[APART].rps):
+            apart = self.figures[APART]
+            out.append(
+                f"for information: two one-process chains apart, each with an h2load of its own, "
+                f"{_ratio(apart.rps, self.figures['1 process'].rps):.2f}x 1 process; 2 processes reach "
+                f"{_ratio(self.figures['2 processes'].rps, apart.rps):.2f}x of that"
+            )
         one, two = self.figures["1 process"], self.figures["2 processes"]
         if not math.isnan(two.chain_cores):
             out.append(
@@ -237,7 +251,7 @@ def _counts(target: Target, hop: str, app: str | None = None) -> dict[str, float
 
 def _start(procs: Processes, name: str, count: int, tmp: Path) -> Target:
     port, admin = free_port(), free_port()
-    routes = tmp / f"routes-{count}.toml"
+    routes = tmp / f"routes-{re.sub(r'[^a-z0-9]+', '-', name)}.toml"
     routes.write_text("[domains]\n")
     argv = ["-m", "recipes.chain", "--port", str(port), "--admin-port", str(admin), "--routes", str(routes)]
     argv += ["--processes", str(count)] if count > 1 else []
@@ -269,6 +283,40 @@ def _throughput(target: Target, duration: float, connections: int, streams: int,
     busiest = max(served) / sum(served) if sum(served) else math.nan
     rps = float(finished.group(1)) if finished else math.nan
     return Run(rps, chain_cores, h2load_cores, busiest, problems)
+
+
+def _settle(targets: list[Target], timeout: float = 5.0) -> None:
+    """Wait until ``targets`` are idle (under 0.05 cores over 0.1 s, at most ``timeout`` s): a run
+    over a duration ends with its last streams in flight, which the chain then cancels."""
+    pids = [pid for target in targets for pid in target.pids]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = _cpu(pids)
+        time.sleep(0.1)
+        if not _cpu(pids) - before >= 0.005:
+            return
+
+
+def _throughput_apart(targets: list[Target], duration: float, connections: int, streams: int, verbose: bool) -> Run:
+    """Both ``targets`` at once, each with its own h2load of ``connections / 2``: two chains that share
+    nothing but the machine (what ``--processes 2`` at best reaches)."""
+    pids = [pid for target in targets for pid in target.pids]
+    before_cpu, before_h2load, began = _cpu(pids), _children_cpu(), time.monotonic()
+    args = ["-D", f"{duration:g}", "-c", str(max(1, connections // 2)), "-m", str(streams), "-t", "1"]
+    with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
+        outs = list(pool.map(lambda target: h2load(target.port, args, timeout=duration + 60), targets))
+    wall = time.monotonic() - began
+    rates, problems = [], []
+    for out, trouble in outs:
+        if verbose:
+            print(out)
+        finished = re.search(r"finished in \S+, ([\d.]+) req/s", out)
+        rates.append(float(finished.group(1)) if finished else math.nan)
+        problems += trouble
+    busiest = max(rates) / sum(rates) if sum(rates) else math.nan
+    return Run(
+        sum(rates), (_cpu(pids) - before_cpu) / wall, (_children_cpu() - before_h2load) / wall, busiest, problems
+    )
 
 
 def _propagation(target: Target, round_no: int, timeout: float = 20.0) -> tuple[float, list[str]]:
@@ -315,22 +363,28 @@ def run_scale_processes(
         f"load average before: {load_average()}",
     ]
     procs = Processes(tmp)
-    figures = {name: Figures(name) for name in TARGETS}
+    figures = {name: Figures(name) for name in [*TARGETS, APART]}
     try:
         targets = {name: _start(procs, name, count, tmp) for name, count in TARGETS.items()}
+        second = _start(procs, "1 process again", 1, tmp)  # (with "1 process": two chains apart)
+        h2load(second.port, ["-n", "2000", "-c", "8", "-m", "32"], timeout=60)  # warm up
         for target in targets.values():
             h2load(target.port, ["-n", "2000", "-c", "8", "-m", "32"], timeout=60)  # warm up
-        runs: dict[str, list[tuple[Run, float, float]]] = {name: [] for name in TARGETS}
+        runs: dict[str, list[tuple[Run, float, float]]] = {name: [] for name in [*TARGETS, APART]}
         names = list(TARGETS)
         for round_no in range(rounds):
             print(f"... round {round_no + 1}/{rounds}", flush=True)
             for name in names[round_no % 2 :] + names[: round_no % 2]:
                 target = targets[name]
                 run = _throughput(target, duration, connections, streams, verbose)
+                _settle([target])
                 elapsed, problems = latencies(target.port, m, tmp, verbose=verbose)
                 elapsed.sort()
                 run.problems += problems
                 runs[name].append((run, percentile(elapsed, 0.5), percentile(elapsed, 0.99)))
+            apart = _throughput_apart([targets["1 process"], second], duration, connections, streams, verbose)
+            _settle([targets["1 process"], second])
+            runs[APART].append((apart, math.nan, math.nan))
         for i in range(changes):
             for name, target in targets.items():
                 seconds, problems = _propagation(target, i)
