@@ -10,7 +10,9 @@
   a bad one is one line naming the file and the key; a relative path in it
   is relative to the file.
 - :func:`run_until_signal`: a command's ``trio.run``: SIGINT or SIGTERM
-  drains, a second stops at once, SIGHUP reloads.
+  drains, a second stops at once, SIGHUP reloads. With ``--processes N``
+  (N > 1) it runs a supervising parent instead, which starts the same
+  command N times on one shared port (docs/scale.md).
 - ``type=`` checkers for flags: :func:`port_number`, :func:`at_least`,
   :func:`seconds`, :func:`between`.
 """
@@ -18,8 +20,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
+import json
 import math
+import os
 import signal
 import sys
 import tomllib
@@ -50,6 +55,46 @@ class Operations:
     admin_port: int | None = None
     access_log: str | None = None
     access_log_hops: frozenset[str] | None = None
+    processes: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    """How many processes serve the command's port (``--processes N``): with more than one, each
+    binds it with ``SO_REUSEPORT`` and takes ``1/N`` of the fair scheduler's budget and caps."""
+    process: int | None = None
+    """This process's index among them (0 to ``processes - 1``) when a supervising parent started it
+    (:func:`run_until_signal`); its admin listener is then on a private loopback port, which the
+    parent's merges."""
+
+
+@attrs.frozen
+class _Supervised:
+    """What a supervising parent tells each child it starts (``PROXYBLOCKS_PROCESS=INDEX COUNT FD``):
+    its index, how many there are, and the file descriptor of its link to the parent (a Unix socket:
+    the child reports on it, and reads end-of-file when the parent is gone)."""
+
+    index: int
+    count: int
+    fd: int
+
+
+SUPERVISED_VARIABLE = "PROXYBLOCKS_PROCESS"
+
+
+@functools.cache
+def _supervised() -> _Supervised | None:
+    """This process's place under a supervising parent, or None; read once (and removed from the
+    environment, so that a process this one starts is not taken for a supervised one)."""
+    words = os.environ.pop(SUPERVISED_VARIABLE, "").split()
+    if len(words) != 3 or not all(word.isdigit() for word in words):
+        return None
+    index, count, fd = map(int, words)
+    return _Supervised(index, count, fd) if index < count else None
+
+
+def _report(slot: _Supervised, **message: object) -> None:
+    """One JSON line to the supervising parent (nothing if it is gone)."""
+    try:
+        os.write(slot.fd, json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
 
 
 Section = Callable[..., object]
@@ -105,16 +150,29 @@ class CommandParser(argparse.ArgumentParser):
         self._raising = False
 
     def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
-        """The flags of a command that listens: ``--host``, ``--port``, ``--grace`` and, with
+        """The flags of a command that listens: ``--host``, ``--port``, ``--grace``,
+        ``--processes`` (:meth:`add_processes_flag`) and, with
         ``tls``, ``--tls`` (a self-signed certificate), ``--cert FILE`` and ``--key FILE``
         (which go together: one without the other is an error)."""
         self.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
         self.add_argument("--port", type=port_number, default=0, help="the port to listen on (0: any free port)")
         self.add_argument("--grace", type=seconds, default=grace, help="seconds requests in flight get on shutdown")
+        self.add_processes_flag()
         if tls:
             self.add_argument("--tls", action="store_true", help="serve HTTPS with a generated self-signed certificate")
             self.add_argument("--cert", type=Path, metavar="FILE", help="serve HTTPS with this certificate chain (PEM)")
             self.add_argument("--key", type=Path, metavar="FILE", help="the private key of --cert (PEM)")
+
+    def add_processes_flag(self) -> None:
+        """``--processes N``: N processes share the port, under a supervising parent
+        (:attr:`Operations.processes`; give the namespace's ``operations`` to :func:`run_until_signal`)."""
+        self.add_argument(
+            "--processes",
+            type=at_least(1, most=256),
+            default=1,
+            metavar="N",
+            help="processes sharing the port (SO_REUSEPORT) under a supervising parent",
+        )
 
     def error(self, message: str) -> NoReturn:
         if self._raising:
@@ -133,12 +191,24 @@ class CommandParser(argparse.ArgumentParser):
         parsed = super().parse_args(argv, settings)
         if (getattr(parsed, "cert", None) is None) != (getattr(parsed, "key", None) is None):
             self.error("--cert and --key go together")
+        if getattr(parsed, "tls", False) and getattr(parsed, "processes", 1) > 1:
+            self.error("--tls makes a certificate in each process: with --processes, use --cert and --key")
         if not self._raising:
             configure_logging(parsed.log_level)
+        slot = _supervised()
+        admin_port = parsed.admin_port
+        if slot is not None and admin_port is not None:
+            admin_port = 0  # the parent serves the port asked for; this process, a private one
         parsed.operations = Operations(
-            admin_port=parsed.admin_port, access_log=parsed.access_log, access_log_hops=parsed.access_log_hops
+            admin_port=admin_port,
+            access_log=parsed.access_log,
+            access_log_hops=parsed.access_log_hops,
+            processes=getattr(parsed, "processes", 1),
+            process=None if slot is None else slot.index,
         )
         del parsed.admin_port, parsed.access_log, parsed.access_log_hops  # (log_level stays: a process may use it)
+        if hasattr(parsed, "processes"):
+            del parsed.processes
         return parsed
 
     def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:
@@ -268,7 +338,13 @@ def between(low: float, high: float = math.inf) -> Callable[[str], float]:
     return parse
 
 
-def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10.0) -> None:
+def run_until_signal(
+    start: Callable[..., Awaitable[None]],
+    *,
+    grace: float = 10.0,
+    operations: Operations | None = None,
+    listen: tuple[str, int] | None = None,
+) -> None:
     """Run ``start`` (a ``serve_*``-style function reporting a :class:`Drainable`) until SIGINT or SIGTERM.
 
     A command's ``trio.run``. The first signal prints ``draining...``, calls
@@ -285,16 +361,36 @@ def run_until_signal(start: Callable[..., Awaitable[None]], *, grace: float = 10
     load: an ``OSError`` or a ``ValueError``), that is one line on stderr,
     ``proxyblocks: error: ...``, and exit code 2; an error after that
     propagates.
+
+    With ``operations.processes`` above 1 (``--processes N``), this process
+    becomes a supervising parent instead (docs/scale.md): it binds
+    ``listen`` (host, port; port 0 picks one) with ``SO_REUSEPORT`` and keeps
+    it, starts the same command line N times on that port, restarts a
+    process that dies (with backoff), forwards SIGHUP to all, drains all on
+    SIGINT or SIGTERM, and serves the merged admin listener on
+    ``operations.admin_port``. Each of those processes runs ``start``
+    here, reporting to the parent instead of printing these lines.
     """
+    slot = _supervised()
+    if slot is None and operations is not None and operations.processes > 1:
+        from blocks._supervisor import supervise  # (it imports this module)
+
+        code = supervise(operations, listen or ("127.0.0.1", 0), grace=grace)
+        if code:
+            raise SystemExit(code)
+        return
     try:
-        code = trio.run(_until_signal, start, grace)
+        code = trio.run(_until_signal, start, grace, slot)
     except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place, or after
         code = 128 + signal.SIGINT
     except BaseException as exc:
         failed = _one_cause(exc)  # (the nurseries on the way out wrap it)
         if not isinstance(failed, _StartFailed):
             raise
-        print(f"proxyblocks: error: {_reason(failed.reason)}", file=sys.stderr, flush=True)
+        if slot is not None:
+            _report(slot, error=_reason(failed.reason))  # the parent prints it, once
+        else:
+            print(f"proxyblocks: error: {_reason(failed.reason)}", file=sys.stderr, flush=True)
         code = 2
     if code:
         raise SystemExit(code)
@@ -320,21 +416,49 @@ def _one_cause(error: BaseException) -> BaseException:
     return error
 
 
-async def _reload(reload: Callable[[], Awaitable[None]], lock: trio.Lock) -> None:
+async def _reload(reload: Callable[[], Awaitable[None]], lock: trio.Lock, slot: _Supervised | None) -> None:
     async with lock:
         try:
             await reload()
         except (OSError, ValueError) as exc:
-            print(f"proxyblocks: reload failed: {_reason(exc)}", file=sys.stderr, flush=True)
+            if slot is not None:
+                _report(slot, reloaded=_reason(exc))
+            else:
+                print(f"proxyblocks: reload failed: {_reason(exc)}", file=sys.stderr, flush=True)
         else:
-            print("reloaded", flush=True)
+            if slot is not None:
+                _report(slot, reloaded=None)
+            else:
+                print("reloaded", flush=True)
 
 
-async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> int:
+async def _parent_gone(slot: _Supervised, stop: trio.MemorySendChannel[int]) -> None:
+    """A supervised process's watch on its link: end-of-file (the parent is gone, even killed) drains
+    this process as SIGTERM would, so that no process outlives its parent for long."""
+    link = trio.socket.fromfd(slot.fd, trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    with link:
+        while await link.recv(4096):
+            pass
+    await stop.send(signal.SIGTERM)
+
+
+async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slot: _Supervised | None = None) -> int:
     code = 0
     drained = False
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+
+    def say(line: str) -> None:
+        if slot is None:  # (a supervised process's parent says it, once for all)
+            print(line, flush=True)
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as received:
         async with trio.open_nursery() as nursery:
+            send, signals = trio.open_memory_channel[int](math.inf)
+
+            async def relay() -> None:
+                async for signum in received:
+                    await send.send(signum)
+
+            nursery.start_soon(relay)
 
             async def serve(task_status: trio.TaskStatus[Drainable]) -> None:
                 await start(task_status=task_status)
@@ -344,10 +468,12 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> 
                 nonlocal code
                 async for signum in signals:
                     if signum != signal.SIGHUP:
-                        print("stopping now", flush=True)
+                        say("stopping now")
                         code = 128 + signum
                         nursery.cancel_scope.cancel()
 
+            if slot is not None:
+                nursery.start_soon(_parent_gone, slot, send.clone())
             try:
                 target: Drainable = await nursery.start(serve)
             except BaseException as exc:
@@ -355,20 +481,25 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float) -> 
                 if isinstance(cause, OSError | ValueError):
                     raise _StartFailed(cause) from None
                 raise
+            if slot is not None:
+                admin = getattr(target, "admin", None)
+                _report(slot, started=os.getpid(), admin=getattr(admin, "port", None))
             reload: Callable[[], Awaitable[None]] | None = getattr(target, "reload", None)
             reloads = trio.Lock()
             async for signum in signals:
                 if signum != signal.SIGHUP:
                     break
                 if reload is not None:
-                    nursery.start_soon(_reload, reload, reloads)
-            print("draining...", flush=True)
+                    nursery.start_soon(_reload, reload, reloads, slot)
+                elif slot is not None:
+                    _report(slot, reloaded=None)
+            say("draining...")
             nursery.start_soon(second)
             await target.shutdown(grace)
             drained = True
             nursery.cancel_scope.cancel()
     if drained and not code:
-        print("stopped", flush=True)
+        say("stopped")
     return code
 
 
@@ -376,6 +507,7 @@ __all__ = [
     "CommandParser",
     "Drainable",
     "Operations",
+    "SUPERVISED_VARIABLE",
     "Section",
     "at_least",
     "between",

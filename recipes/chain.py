@@ -38,6 +38,13 @@ Ctrl-C (or SIGTERM) drains: the edge stops accepting, h2 clients get GOAWAY,
 requests in flight finish within --grace seconds, and the process exits 0.
 A second Ctrl-C stops at once. SIGHUP reloads the config file's replicas and
 apps, the route file and the certificate, dropping no connection.
+
+``--processes N`` runs N processes on the port (any role, or the whole chain:
+each process then runs every hop), sharing it with SO_REUSEPORT under a
+supervising parent that restarts one that dies and drains them all
+(docs/scale.md):
+
+    python -m recipes.chain --processes 2 --admin-port 9900   # prints: processes: PID PID (...)
 """
 
 from __future__ import annotations
@@ -61,8 +68,7 @@ FAIR = SchedulerConfig(
     budget=512,
     default_policy=TenantPolicy(max_in_flight=256, max_queued=512, queue_timeout=5.0),
 )
-"""The chain's fair scheduler: the proxy -> worker pool's 512 stream slots (8 connections x 64), at
-most half to one tenant (the ``x-tenant`` header), up to 512 waiting per tenant for 5 s."""
+"""The fair scheduler: 512 proxy -> worker slots, half at most to one ``x-tenant``, 512 waiting 5 s."""
 
 
 async def main(
@@ -154,7 +160,8 @@ def run() -> None:
     settings["options"] = hop_options(settings, error=parser.error)
     grace, config, *_ = (settings.pop(name) for name in ("grace", "config", "auth", "sessions", "mirror", "log_level"))
     settings["scheduler"] = None if settings.pop("no_scheduler") else settings["scheduler"] or FAIR
-    run_until_signal(functools.partial(main, reread=parser.reparse if config else None, **settings), grace=grace)
+    start = functools.partial(main, reread=parser.reparse if config else None, **settings)
+    run_until_signal(start, grace=grace, operations=settings["operations"], listen=(settings["host"], settings["port"]))
 
 
 if __name__ == "__main__":

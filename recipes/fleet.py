@@ -28,6 +28,9 @@ It prints the etcd URL, its own PID (FLEET_PID), and each proxy's URL and PID. P
     kill -9 PID_A; curl -H 'host: demo.example' http://127.0.0.1:PORT_B/   # B keeps serving
     kill -9 $(pgrep -P FLEET_PID -x etcd)      # "etcd at ... exited (killed by SIGKILL)", then "is back"
 
+With ``--processes N``, each proxy is N processes sharing its port (SO_REUSEPORT), under a
+supervising parent (docs/scale.md); each follows etcd on its own.
+
 Ctrl-C (or SIGTERM) stops the proxies (each drains), then the rest; a second
 Ctrl-C stops at once. ``--role proxy`` is how this script starts each proxy
 process; it is not meant to be run by hand (though it can be, pointed at any
@@ -40,11 +43,10 @@ import argparse
 import functools
 import os
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 import trio
-from trio import TaskStatus
 
 from blocks import Chain, CommandParser, EtcdSource, route_records, run_until_signal, serve_chain
 from blocks.command import Operations, at_least, between, port_number, seconds
@@ -80,14 +82,14 @@ class Fleet:
         await self.chain.shutdown(1.0)
 
 
-async def serve_fleet_proxy(etcd: str, name: str, port: int, every: float, *, task_status: TaskStatus[Chain]) -> None:
+async def serve_fleet_proxy(etcd: str, name: str, port: int, tick: float, ops: Operations, *, task_status: Any) -> None:
     """One proxy of the fleet (what ``--role proxy`` runs): routes from a cache that follows etcd."""
 
     async def build(chain: Chain) -> None:
-        server, _ = await chain.start_proxy(source=EtcdSource(etcd, progress_interval=every), port=port)
+        server, _ = await chain.start_proxy(source=EtcdSource(etcd, progress_interval=tick), port=port)
         print(f"proxy {name} listening on {server.scheme}://{chain.host}:{server.port} pid {os.getpid()}", flush=True)
 
-    await serve_chain(build, task_status=task_status)
+    await serve_chain(build, operations=ops, task_status=task_status)
 
 
 async def main(
@@ -114,7 +116,7 @@ async def main(
             await EtcdSource(etcd).put(key, value)
         for name in "abcdefghijklmnopqrstuvwxyz"[:proxies]:
             command = [sys.executable, "-m", "recipes.fleet", "--role", "proxy", "--name", name, "--etcd", etcd]
-            command += ["--progress-interval", str(interval)]
+            command += ["--progress-interval", str(interval), "--processes", str(getattr(operations, "processes", 1))]
             process, line = await chain.start(run_child_process, command, f"proxy {name} listening on ", name)
             started.append(ProxyProcess(name, line.split()[4], process))
 
@@ -130,15 +132,14 @@ async def main(
 def run() -> None:
     parser = CommandParser(prog="python -m recipes.fleet", description=__doc__.splitlines()[0])
     parser.add_argument("--etcd", metavar="URL", help="use this etcd instead of starting one")
-    parser.add_argument(
-        "--progress-interval", type=between(0.1), help="etcd progress notify interval, s (1, or etcd's 600)"
-    )
+    parser.add_argument("--progress-interval", type=between(0.1), help="etcd progress notices, every S (1; etcd: 600)")
     parser.add_argument("--proxies", type=at_least(1, most=26), default=2, help="proxy processes")
     parser.add_argument("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
     parser.add_argument("--grace", type=seconds, default=5.0, help="seconds requests in flight get on shutdown")
     parser.add_argument("--role", choices=("fleet", "proxy"), default="fleet", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="proxy", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=port_number, default=0, help=argparse.SUPPRESS)
+    parser.add_processes_flag()  # (per proxy: each is a supervising parent of N processes)
     args = parser.parse_args()
     if args.role == "proxy" and args.etcd is None:
         parser.error("--role proxy needs --etcd URL")
@@ -146,8 +147,10 @@ def run() -> None:
     start = functools.partial(start, progress_interval=args.progress_interval, operations=args.operations)
     if args.role == "proxy":  # one proxy, as main starts each
         configure_logging(args.log_level, prefix=f"proxy {args.name}: ")  # (its route source's lost and back)
-        start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, args.progress_interval or 600.0)
-    run_until_signal(start, grace=args.grace)
+        every = args.progress_interval or 600.0
+        start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, every, args.operations)
+    proxy = args.operations if args.role == "proxy" else None  # (--processes: N per proxy, not N fleets)
+    run_until_signal(start, grace=args.grace, operations=proxy, listen=("127.0.0.1", args.port))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@
   and W3C ``traceparent``, on the way up and back;
 - :func:`open_access_log`: one JSON line per request (:class:`AccessLog`,
   a feature), written by a task of its own, never blocking a request;
-- :func:`configure_logging`: what ``--log-level`` sets.
+- :func:`configure_logging`: what ``--log-level`` sets;
+- :func:`serve_merged_admin`: the admin listener of a supervising parent
+  (``--processes N``): every child's ``/metrics`` with a ``process`` label,
+  ``/status.json`` per child, ``/healthz`` and ``/readyz`` for all.
 
 See docs/observability.md for the endpoints, every metric family and every log field.
 """
@@ -22,6 +25,7 @@ from blocks.observe._accesslog import AccessLog, AccessLogStatistics, open_acces
 from blocks.observe._admin import ADMIN_LISTENER, METRICS_CONTENT_TYPE, admin_page, ready, serve_admin, status
 from blocks.observe._ids import RequestIds, new_request_id, new_traceparent, valid_request_id, valid_traceparent
 from blocks.observe._logging import LEVELS, configure_logging
+from blocks.observe._merged import ProcessAdmin, merge_metrics, serve_merged_admin
 from blocks.observe._metrics import (
     DEFAULT_BUCKETS,
     HopErrorRecord,
@@ -48,16 +52,19 @@ __all__ = [
     "Observed",
     "Part",
     "PhaseHistogram",
+    "ProcessAdmin",
     "RequestIds",
     "admin_page",
     "configure_logging",
     "hop_metrics",
+    "merge_metrics",
     "named_parts",
     "new_request_id",
     "new_traceparent",
     "open_access_log",
     "ready",
     "serve_admin",
+    "serve_merged_admin",
     "served_hop",
     "status",
     "valid_request_id",

@@ -90,6 +90,35 @@ class SchedulerConfig:
         """The policy that applies to ``tenant``."""
         return self.tenants.get(tenant, self.default_policy)
 
+    def split(self, processes: int) -> SchedulerConfig:
+        """This config's share for one of ``processes`` processes serving the same port
+        (``--processes N``), so that together they admit what one process did.
+
+        The budget and every policy's ``max_in_flight`` and ``max_queued`` are
+        divided by ``processes`` (rounded down, at least 1; a ``max_queued``
+        of 0, never wait, stays 0; no ``max_in_flight`` stays none). Weights,
+        timeouts and priorities are kept. ``split(1)`` is this config.
+        """
+        if processes < 1:
+            raise ValueError(f"processes must be at least 1, not {processes}")
+        if processes == 1:
+            return self
+
+        def share(policy: TenantPolicy) -> TenantPolicy:
+            cap = policy.max_in_flight
+            return attrs.evolve(
+                policy,
+                max_in_flight=None if cap is None else max(1, cap // processes),
+                max_queued=policy.max_queued and max(1, policy.max_queued // processes),
+            )
+
+        return attrs.evolve(
+            self,
+            budget=max(1, self.budget // processes),
+            default_policy=share(self.default_policy),
+            tenants={name: share(policy) for name, policy in self.tenants.items()},
+        )
+
 
 # -- statistics -------------------------------------------------------------------------------
 

@@ -14,7 +14,17 @@ import attrs
 import trio
 
 from blocks.command import Operations
-from blocks.hops import EdgeConfig, Feature, LocalReplica, Proxy, Worker, serve_edge, serve_proxy, serve_worker
+from blocks.hops import (
+    INTERNAL_LISTENER,
+    EdgeConfig,
+    Feature,
+    LocalReplica,
+    Proxy,
+    Worker,
+    serve_edge,
+    serve_proxy,
+    serve_worker,
+)
 from blocks.observe import (
     AccessLog,
     Metrics,
@@ -33,7 +43,7 @@ from blocks.routing import (
 from blocks.sources import EmbeddedStore, RouteSource, reconcile
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.topology._records import LOOPBACK, App, route_records
-from blocks.transport.listener import HTTPServer
+from blocks.transport.listener import HTTPServer, ListenerConfig
 from blocks.transport.tls import server_context
 
 ServeReplica = Callable[..., Awaitable[None]]
@@ -89,6 +99,14 @@ class Chain:
                 self._access_log = await self._nursery.start(_serve_access_log, operations.access_log)
             features.append(self._access_log)
         return {**options, "features": features}
+
+    def _shared(self, options: dict[str, Any], port: int, default: ListenerConfig) -> dict[str, Any]:
+        """``options`` of a hop listening on ``port``: when :attr:`operations` say several processes
+        serve it (``processes``), a fixed port is bound with ``SO_REUSEPORT`` (their shared port)."""
+        if self.operations.processes > 1 and port:
+            listener = options.get("listener") or default
+            return {**options, "listener": attrs.evolve(listener, reuse_port=True)}
+        return options
 
     @property
     def edge(self) -> HTTPServer:
@@ -167,8 +185,9 @@ class Chain:
         replica, in one transaction. ``options`` go to
         :func:`~blocks.serve_worker` (``upstream``, ``sessions``, ``name``...).
         """
+        options = self._shared(await self._observed("worker", options), options.get("port", 0), INTERNAL_LISTENER)
         started: tuple[HTTPServer, Worker] = await self._nursery.start(
-            functools.partial(serve_worker, replicas, host=self.host, **await self._observed("worker", options))
+            functools.partial(serve_worker, replicas, host=self.host, **options)
         )
         self.workers.append(started)
         if app is not None:
@@ -234,7 +253,10 @@ class Chain:
         ``upstream``, ``policy``, ``sessions``, ``mirror``...).
         """
         await self._nursery.start(reconcile, source or self.store, self.cache)
-        serve = functools.partial(serve_proxy, self.cache, host=self.host, **await self._observed("proxy", options))
+        options = self._shared(await self._observed("proxy", options), options.get("port", 0), INTERNAL_LISTENER)
+        if self.operations.processes > 1 and options.get("scheduler") is not None:
+            options["scheduler"] = options["scheduler"].split(self.operations.processes)  # 1/N each
+        serve = functools.partial(serve_proxy, self.cache, host=self.host, **options)
         self._proxy = await self._nursery.start(serve)
         return self._proxy
 
@@ -274,7 +296,7 @@ class Chain:
             self.cert, key = make_self_signed(cert_dir)
             context = server_context(self.cert, key)
         config = EdgeConfig(proxy=proxy or (self.host, self.proxy_server.port))
-        options = await self._observed("edge", options)
+        options = self._shared(await self._observed("edge", options), port, ListenerConfig())
         serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
         self._edge = await self._nursery.start(serve)
         return self._edge
@@ -397,8 +419,11 @@ async def serve_chain(
     """
     async with open_chain(host=host, store=store, operations=operations) as chain:
         await build(chain)
+        supervised = chain.operations.process is not None  # its parent serves the admin port asked for
         if chain.operations.admin_port is not None:
-            chain.admin = await chain.start_admin(port=chain.operations.admin_port)
+            chain.admin = await chain.start_admin(
+                port=chain.operations.admin_port, host=LOOPBACK if supervised else None
+            )
         if announce and chain._edge is not None:
             print(f"edge listening on {chain.edge.scheme}://{host}:{chain.edge.port}", flush=True)
             if chain.cert is not None and chain._scratch is not None:
@@ -409,7 +434,7 @@ async def serve_chain(
             parts += [(f"replica {name}", server) for name, server in chain.replicas.items()]
             for part, server in parts:
                 print(f"{part} listening on h2c://{host}:{server.port}", flush=True)
-            if chain.admin is not None:
+            if chain.admin is not None and not supervised:
                 print(f"admin listening on http://{host}:{chain.admin.port}", flush=True)
         task_status.started(chain)
         await trio.sleep_forever()

@@ -121,6 +121,11 @@ class ListenerConfig:
     default_authority: str | None = attrs.field(default=None, validator=_optional_authority)
     """The authority of an HTTP/1.0 request without ``Host`` (RFC 9112 3.2 asks it only of
     HTTP/1.1): ``host[:port]``. ``None``: the address the client reached, ``IP:PORT``."""
+    reuse_port: bool = False
+    """Bind with ``SO_REUSEPORT`` (Linux, the BSDs): several processes, each with a listener of its
+    own on the same port, share its connections (the kernel spreads them across the processes that
+    accept). Every socket bound to the port must set it; the first address ``host`` resolves to is
+    bound (one listener, not one per address)."""
 
 
 @attrs.frozen
@@ -347,13 +352,37 @@ async def serve_http(
     if ssl_context is not None:
         ssl_context.set_alpn_protocols(["h2", "http/1.1"])
     try:
-        listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+        if config.reuse_port:
+            listeners = [await _open_shared_listener(host, port, backlog=1024)]
+        else:
+            listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
     except OSError as exc:  # say where: a command prints this one line (a port in use)
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sockname = listeners[0].socket.getsockname()
     server = HTTPServer(handler, config, ssl_context, relay, upstreams, port=sockname[1], host=host)
     log.info("%s listening on %s", config.hop or "server", server.url)
     await server._serve(listeners, task_status)
+
+
+async def _open_shared_listener(host: str, port: int, *, backlog: int) -> trio.SocketListener:
+    """One listening socket on ``host:port`` bound with ``SO_REUSEPORT`` (and ``SO_REUSEADDR``,
+    as trio's own listeners): what ``ListenerConfig.reuse_port`` asks for."""
+    found = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM, flags=trio.socket.AI_PASSIVE)
+    if not found:  # (getaddrinfo raises instead, in practice)
+        raise OSError(f"no address for {host}")
+    family, kind, proto, _, address = found[0]
+    sock = trio.socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEPORT, 1)
+        if family == trio.socket.AF_INET6:
+            sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
+        await sock.bind(address)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
 
 
 __all__ = [

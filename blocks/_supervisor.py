@@ -1,0 +1,323 @@
+"""The supervising parent of ``--processes N`` (what :func:`blocks.command.run_until_signal` runs).
+
+Theory of operation: the parent binds the command's port with
+``SO_REUSEPORT`` and keeps that socket bound but never listening, so the
+port is its own for the whole run (``--port 0`` is picked here, once) and no
+connection is ever queued on it. It then starts the same command line N
+times with ``--port PORT`` appended; each child binds the port with
+``SO_REUSEPORT`` too and runs its own ``trio.run``, and the kernel spreads
+the connections across the children that listen. Each child gets a Unix
+socket to the parent (``PROXYBLOCKS_PROCESS=INDEX COUNT FD``): it reports on
+it (JSON lines: started, with its pid and its private admin port; its
+startup error; each reload's outcome) and reads end-of-file there when the
+parent is gone, which drains it.
+
+Rules: a child that exits before every child first served ends the whole
+command (exit 2, with the child's one line: bad config does not loop); a
+child that dies later is started again after a backoff that doubles from
+0.1 s to 10 s (back to 0.1 s once a child has served for 10 s), while the
+others serve on. SIGHUP is sent to every serving child and answered once
+(``reloaded``, or the first failure). SIGINT or SIGTERM: SIGTERM to every
+child (each drains within ``--grace``), then ``stopped`` and exit 0; a
+second signal SIGKILLs them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from blocks.command import SUPERVISED_VARIABLE, Operations
+from blocks.observe import ProcessAdmin, serve_merged_admin
+from blocks.transport.listener import HTTPServer
+
+FIRST_BACKOFF = 0.1
+"""Seconds before a dead child is started again, the first time (doubled each time after)."""
+MAX_BACKOFF = 10.0
+"""The most seconds between two starts of one child."""
+HEALTHY_AFTER = 10.0
+"""Seconds a child must serve for its next death to start the backoff over."""
+RELOAD_TIMEOUT = 30.0
+"""Seconds the parent waits for every child to say how its reload went."""
+
+
+def supervise(operations: Operations, listen: tuple[str, int], *, grace: float) -> int:
+    """Run ``operations.processes`` copies of this command on ``listen``'s port until a signal stops them.
+
+    Returns the exit status: 0 after a drain, 2 if the port cannot be held
+    or a child fails before serving, 128 + the signal after a second one.
+    """
+    host, port = listen
+    try:
+        held = _hold_port(host, port)
+    except OSError as exc:
+        print(f"proxyblocks: error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    with held:
+        port = held.getsockname()[1]
+        command = [sys.executable, *sys.orig_argv[1:], "--port", str(port)]
+        supervisor = Supervisor(command, operations.processes, host=host, port=port, admin_port=operations.admin_port)
+        try:
+            return trio.run(supervisor.run, grace)
+        except KeyboardInterrupt:  # before the signal handlers were in place
+            return 128 + signal.SIGINT
+
+
+def _hold_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, not listening: the port stays this
+    command's while its children come and go, and no connection waits on this socket."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@attrs.define(eq=False)
+class Child:
+    """One of the supervised processes, across its restarts."""
+
+    index: int
+    pid: int | None = None
+    process: trio.Process | None = None
+    admin: int | None = None
+    serving: bool = False
+    error: str | None = None
+    starts: int = 0
+    reload_pending: bool = False
+    _reloads: tuple[trio.MemorySendChannel[str | None], trio.MemoryReceiveChannel[str | None]] = attrs.field(
+        factory=lambda: trio.open_memory_channel[str | None](math.inf)
+    )
+
+
+def _one_cause(error: BaseException) -> BaseException:
+    """The one error inside nested exception groups of one (what nurseries wrap), else ``error``."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def _ended(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+
+
+@attrs.define(eq=False)
+class Supervisor:
+    """The parent's state: its children, and whether it is stopping. :meth:`run` is its ``trio.run``."""
+
+    command: Sequence[str]
+    count: int
+    host: str
+    port: int
+    admin_port: int | None = None
+    children: list[Child] = attrs.Factory(lambda self: [Child(i) for i in range(self.count)], takes_self=True)
+    stopping: bool = False
+    started: bool = False
+    fatal: str | None = None
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+    _reload_lock: trio.Lock = attrs.field(factory=trio.Lock)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        """Return once ``condition()`` holds (checked after each change of a child's state)."""
+        while not condition():
+            await self._changed.wait()
+
+    def processes(self) -> list[ProcessAdmin]:
+        return [ProcessAdmin(child.index, child.pid, child.admin, child.serving) for child in self.children]
+
+    def pids(self) -> str:
+        return " ".join(str(child.pid) if child.serving else "-" for child in self.children)
+
+    async def run(self, grace: float) -> int:
+        code = 0
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+                admin = None
+                if self.admin_port is not None:  # bound before any child starts: taken, it is one line
+                    serve = functools.partial(serve_merged_admin, self.processes, host=self.host, port=self.admin_port)
+                    try:
+                        admin = await nursery.start(serve)
+                    except BaseException as exc:
+                        cause = _one_cause(exc)  # (a nursery on the way may wrap it)
+                        if not isinstance(cause, OSError):
+                            raise
+                        print(f"proxyblocks: error: {cause}", file=sys.stderr, flush=True)
+                        return 2
+                for child in self.children:
+                    nursery.start_soon(self._keep, child)
+                nursery.start_soon(self._announce, admin)
+                async for signum in signals:
+                    if self.fatal is not None:
+                        break
+                    if signum == signal.SIGHUP:
+                        nursery.start_soon(self._reload)
+                        continue
+                    break
+                if self.fatal is None:
+                    print("draining...", flush=True)
+                    self.stopping = True
+                    for child in self.children:
+                        if child.process is not None and child.process.returncode is None:
+                            child.process.send_signal(signal.SIGTERM)
+
+                    async def second() -> None:
+                        nonlocal code
+                        async for signum in signals:
+                            if signum != signal.SIGHUP:
+                                print("stopping now", flush=True)
+                                code = 128 + signum
+                                nursery.cancel_scope.cancel()  # (each child is killed on the way out)
+
+                    nursery.start_soon(second)
+                    await self.wait_for(lambda: all(child.process is None for child in self.children))
+                nursery.cancel_scope.cancel()
+        if self.fatal is not None:
+            print(f"proxyblocks: error: {self.fatal}", file=sys.stderr, flush=True)
+            return 2
+        if not code:
+            print("stopped", flush=True)
+        return code
+
+    async def _announce(self, admin: HTTPServer | None) -> None:
+        await self.wait_for(lambda: all(child.serving for child in self.children))
+        self.started = True
+        print(f"processes: {self.pids()} (sharing {self.host}:{self.port})", flush=True)
+        if admin is not None:
+            print(f"admin listening on http://{self.host}:{admin.port}", flush=True)
+
+    def _fail(self, reason: str) -> None:
+        """End the command (exit 2, ``reason`` on one line): a child could not start."""
+        if self.fatal is None:
+            self.fatal = reason
+            os.kill(os.getpid(), signal.SIGTERM)  # wake the signal loop, which sees ``fatal``
+
+    async def _keep(self, child: Child) -> None:
+        """Run ``child`` until the parent stops, starting it again whenever it dies."""
+        backoff = FIRST_BACKOFF
+        while not self.stopping:
+            began = trio.current_time()
+            code = await self._run_once(child)
+            if self.stopping:
+                return
+            if not self.started:
+                self._fail(child.error or f"process {child.index} {_ended(code)} before it served")
+                return
+            if trio.current_time() - began > HEALTHY_AFTER:
+                backoff = FIRST_BACKOFF
+            why = child.error or _ended(code)
+            print(
+                f"proxyblocks: process {child.index} (pid {child.pid}) {why}; starting it again in {backoff:g}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _run_once(self, child: Child) -> int:
+        ours, theirs = socket.socketpair()
+        try:
+            env = {**os.environ, SUPERVISED_VARIABLE: f"{child.index} {self.count} {theirs.fileno()}"}
+            process = await trio.lowlevel.open_process(
+                list(self.command),
+                env=env,
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C reaches the parent only, which drains each child once
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        child.process, child.pid, child.admin, child.error = process, process.pid, None, None
+        child.starts += 1
+        if self.stopping:  # (it was being started as the drain began: it drains too)
+            process.send_signal(signal.SIGTERM)
+        link = trio.socket.from_stdlib_socket(ours)
+        try:
+            buffer = b""
+            while data := await link.recv(65536):
+                *lines, buffer = (buffer + data).split(b"\n")
+                for line in lines:
+                    self._heard(child, line)
+            return await process.wait()
+        finally:
+            link.close()
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+            child.process, child.serving = None, False
+            if child.reload_pending:
+                child._reloads[0].send_nowait(f"process {child.index} exited during the reload")
+            self._notify()
+
+    def _heard(self, child: Child, line: bytes) -> None:
+        try:
+            message = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(message, dict):
+            return
+        if "started" in message:
+            child.serving, child.admin = True, message.get("admin")
+            if self.started:
+                print(f"process {child.index} serving again: pid {child.pid}", flush=True)
+                print(f"processes: {self.pids()} (sharing {self.host}:{self.port})", flush=True)
+            self._notify()
+        elif "error" in message:
+            child.error = str(message["error"])
+        elif "reloaded" in message:
+            failed = message["reloaded"]
+            child._reloads[0].send_nowait(None if failed is None else str(failed))
+
+    async def _reload(self) -> None:
+        """SIGHUP to every serving child; one line once all have answered (or the first failure)."""
+        async with self._reload_lock:
+            asked = [child for child in self.children if child.serving and child.process is not None]
+            for child in asked:
+                while True:  # (an answer left from a reload that timed out)
+                    try:
+                        child._reloads[1].receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                child.reload_pending = True
+                child.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+            failures: list[str] = []
+            with trio.move_on_after(RELOAD_TIMEOUT) as waited:
+                for child in asked:
+                    answer = await child._reloads[1].receive()
+                    child.reload_pending = False
+                    if answer is not None:
+                        failures.append(answer)
+            for child in asked:
+                child.reload_pending = False
+            if waited.cancelled_caught:
+                failures.append(f"not every process answered within {RELOAD_TIMEOUT:g}s")
+            if failures:
+                print(f"proxyblocks: reload failed: {failures[0]}", file=sys.stderr, flush=True)
+            else:
+                print("reloaded", flush=True)

@@ -1,0 +1,308 @@
+"""``--processes N``: N processes share a hop's port under a supervising parent.
+
+Every case runs ``python -m recipes.chain`` as the docs say, with real
+processes and real sockets on 127.0.0.1 (port 0), and waits for states (a
+printed line, an answer, a count in ``/metrics``), each bounded by
+``trio.fail_after``. Connections are spread by the kernel (``SO_REUSEPORT``
+hashes each new connection), so a case that needs both processes opens new
+connections until both have counted one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+from support import Lines, curl, http_server, start_recipe
+from test_startup_errors import assert_one_line_error, run_recipe
+
+from blocks import Chain, WorkerSessionConfig, serve_chain
+from blocks.observe import merge_metrics
+from blocks.scheduler import SchedulerConfig, TenantPolicy
+
+PROCESSES = r"^processes: (\d+) (\d+) \(sharing (\S+)\)$"
+
+
+async def get(url: str, **headers: str) -> httpx.Response:
+    """One request on a connection of its own (so the kernel picks a process for it)."""
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        return await client.get(url, headers=headers)
+
+
+async def edge_counts(admin: str) -> dict[str, float]:
+    """The edge's 2xx answers by process, from the parent's merged ``/metrics``."""
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        text = (await client.get(f"{admin}/metrics")).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "proxyblocks_requests_total" and (labels["hop"], labels["status_class"]) == (
+                "edge",
+                "2xx",
+            ):
+                counts[labels["process"]] = counts.get(labels["process"], 0) + sample.value
+    return counts
+
+
+async def until_both_count(
+    url: str, admin: str, since: dict[str, float] | None = None, path: str = "/", **headers: str
+) -> list[str]:
+    """Requests on new connections until both processes counted one more than ``since``; their bodies."""
+    since = since or {}
+    bodies = []
+    while True:
+        response = await get(f"{url}{path}", **headers)
+        assert response.status_code == 200, response.text
+        bodies.append(response.text)
+        counts = await edge_counts(admin)
+        if all(counts.get(p, 0) > since.get(p, 0) for p in ("0", "1")):
+            return bodies
+
+
+async def stop(process: trio.Process, lines: Lines) -> str:
+    process.send_signal(signal.SIGTERM)
+    output = await lines.rest()
+    assert output.endswith("draining...\nstopped\n"), output
+    assert await process.wait() == 0
+    return output
+
+
+async def test_two_processes_serve_one_port_and_the_parent_merges_their_metrics() -> None:
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2", "--admin-port", "0")
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            pids = (await lines.until(PROCESSES)).groups()[:2]
+            admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
+            assert len(set(pids)) == 2 and str(process.pid) not in pids
+            await until_both_count(url, admin)  # requests landed on both, each counted with its label
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                assert (await client.get(f"{admin}/readyz")).status_code == 200
+                assert (await client.get(f"{admin}/healthz")).status_code == 200
+                status = (await client.get(f"{admin}/status.json")).json()
+            assert [(row["process"], str(row["pid"])) for row in status["processes"]] == [(0, pids[0]), (1, pids[1])]
+            assert all(row["status"]["listeners"][0]["url"] == url for row in status["processes"])
+            await stop(process, lines)
+
+
+async def test_a_killed_process_is_started_again_and_the_port_stays_served() -> None:
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2")
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            first, second, _ = (await lines.next(PROCESSES)).groups()
+            os.kill(int(first), signal.SIGKILL)
+            while _alive(int(first)):  # (a connection queued on its listener as it dies is reset)
+                await trio.sleep(0.01)
+            for _ in range(10):  # the other process takes every connection meanwhile
+                assert (await get(f"{url}/")).status_code == 200
+            again = (await lines.next(PROCESSES)).groups()
+            assert again[0] not in (first, second) and again[1] == second
+            assert (await get(f"{url}/")).status_code == 200
+            assert process.stderr is not None
+            said = (await Lines(process.stderr).until(r"^proxyblocks: process 0 .*$")).group(0)
+            assert f"(pid {first}) was killed by SIGKILL; starting it again in 0.1s" in said
+            await stop(process, lines)
+    assert not any(_alive(int(pid)) for pid in (*again[:2], first))  # none outlives the parent
+
+
+async def test_sighup_reaches_every_process(tmp_path: Path) -> None:
+    config, routes = tmp_path / "chain.toml", tmp_path / "routes.toml"
+    with trio.fail_after(120):
+        async with (
+            http_server(tmp_path / "a", b"A\n") as a,
+            http_server(tmp_path / "b", b"B\n") as b,
+            trio.open_nursery() as nursery,
+        ):
+            config.write_text(f'replica = ["http://{a[0]}:{a[1]}"]\nroutes = "routes.toml"\n')
+            routes.write_text("[domains]\n")
+            process, lines = await start_recipe(
+                nursery, "--processes", "2", "--admin-port", "0", "--config", str(config)
+            )
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            worker = (await lines.until(r"^worker listening on h2c://(\S+)$")).group(1)
+            admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
+            assert set(await until_both_count(url, admin, path="/hello.txt")) == {"A\n"}
+            # The config file's replicas, reloaded by SIGHUP in both processes:
+            before = await edge_counts(admin)
+            config.write_text(f'replica = ["http://{b[0]}:{b[1]}"]\nroutes = "routes.toml"\n')
+            process.send_signal(signal.SIGHUP)
+            await lines.next(r"^reloaded$")
+            assert set(await until_both_count(url, admin, before, path="/hello.txt")) == {"B\n"}
+            # A route file edit, loaded by SIGHUP in both at once (before their watches would see it):
+            before = await edge_counts(admin)
+            staged = tmp_path / "routes.new"
+            staged.write_text(
+                '[domains]\n"other.example" = "other"\n'
+                f'[apps.other.replicas.a]\nworker = "{worker}"\naddress = "{a[0]}:{a[1]}"\nprotocol = "h1"\n'
+            )
+            staged.replace(routes)
+            process.send_signal(signal.SIGHUP)
+            await lines.next(r"^reloaded$")
+            answers = await until_both_count(url, admin, before, path="/hello.txt", host="other.example")
+            assert set(answers) == {"A\n"}
+            await stop(process, lines)
+
+
+async def test_sessions_hold_whichever_process_a_request_lands_on(tmp_path: Path) -> None:
+    """The proxy runs as two processes in front of one worker (here, in the test's process, with two
+    demo replicas whose sessions it keeps): a session token names its replica, and either proxy
+    process verifies it and sends the session's requests there."""
+    config = tmp_path / "sessions.toml"
+    secret = "cd" * 32
+    config.write_text(
+        f"[sessions]\napps = ['demo']\nrequire_auth = false\n[[sessions.keys]]\nkid = 's1'\nsecret = '{secret}'\n"
+    )
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+
+            async def build(chain: Chain) -> None:
+                local = {name: await chain.start_replica(name) for name in ("replica-0", "replica-1")}
+                await chain.start_worker(local, app=None, sessions=WorkerSessionConfig())
+
+            chain: Chain = await nursery.start(serve_chain, build)
+            replicas = [
+                arg for server in chain.replicas.values() for arg in ("--replica", f"h2c://127.0.0.1:{server.port}")
+            ]
+            at = f"h2c://127.0.0.1:{chain.worker_server.port}"
+            args = ("--role", "proxy", "--next-hop", at, *replicas, "--config", str(config), "--admin-port", "0")
+            proxy, lines = await start_recipe(nursery, *args, "--processes", "2")
+            port = (await lines.until(PROCESSES)).group(3).rpartition(":")[2]
+            admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
+            proxy_url = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(trust_env=False, timeout=10, http1=False, http2=True) as client:
+                started = await client.post(f"{proxy_url}/.proxyblocks/sessions")
+            assert started.status_code == 201, started.text
+            token, replica = started.json()["token"], started.json()["replica"]
+            before = await proxy_counts(admin)  # (the start counted at one of them)
+            seen: set[str] = set()
+            while seen != {"0", "1"}:  # new connections until both proxy processes served the session
+                async with httpx.AsyncClient(trust_env=False, timeout=10, http1=False, http2=True) as client:
+                    answer = await client.get(f"{proxy_url}/", headers={"proxyblocks-session": token})
+                assert (answer.status_code, answer.headers["x-replica"]) == (200, replica), answer.text
+                seen = {p for p, n in (await proxy_counts(admin)).items() if n > before.get(p, 0)}
+            await stop(proxy, lines)
+            chain.cancel()
+
+
+async def proxy_counts(admin: str) -> dict[str, float]:
+    """The proxy's 2xx answers by process."""
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        text = (await client.get(f"{admin}/metrics")).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "proxyblocks_requests_total" and (labels["hop"], labels["status_class"]) == (
+                "proxy",
+                "2xx",
+            ):
+                counts[labels["process"]] = counts.get(labels["process"], 0) + sample.value
+    return counts
+
+
+async def test_a_bad_flag_with_processes_is_one_line() -> None:
+    code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--port", "70000")
+    assert_one_line_error(code, stdout, stderr, "--port")
+    code, stdout, stderr = await run_recipe("chain", "--processes", "0")
+    assert_one_line_error(code, stdout, stderr, "--processes")
+    code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--tls")  # (a certificate each)
+    assert_one_line_error(code, stdout, stderr, "--tls", "--cert")
+
+
+async def test_a_process_that_cannot_start_ends_the_parent_with_its_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.toml"
+    code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--routes", str(missing))
+    assert_one_line_error(code, stdout, stderr, str(missing))
+
+
+async def test_a_port_in_use_is_one_line() -> None:
+    with trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--port", str(port))
+        assert_one_line_error(code, stdout, stderr, f"127.0.0.1:{port}")
+        code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--admin-port", str(port))
+        assert_one_line_error(code, stdout, stderr, f"127.0.0.1:{port}")
+
+
+def test_the_budgets_are_split_so_n_processes_admit_what_one_did() -> None:
+    config = SchedulerConfig(
+        budget=512,
+        default_policy=TenantPolicy(max_in_flight=256, max_queued=512),
+        tenants={"tiny": TenantPolicy(max_in_flight=1, max_queued=0, weight=3)},
+    )
+    assert config.split(1) is config
+    half = config.split(2)
+    assert (half.budget, half.default_policy.max_in_flight, half.default_policy.max_queued) == (256, 128, 256)
+    assert (half.tenants["tiny"].max_in_flight, half.tenants["tiny"].max_queued, half.tenants["tiny"].weight) == (
+        1,
+        0,
+        3,
+    )  # at least 1 slot; never waiting stays never waiting
+    assert config.split(1000).budget == 1
+    assert SchedulerConfig(budget=8).split(2).default_policy.max_in_flight is None
+    with pytest.raises(ValueError, match="at least 1"):
+        config.split(0)
+
+
+def test_merged_metrics_label_every_sample_with_its_process() -> None:
+    text = (
+        "# HELP proxyblocks_requests_total Requests.\n# TYPE proxyblocks_requests_total counter\n"
+        'proxyblocks_requests_total{hop="edge"} 3.0\n'
+    )
+    families = {family.name: family for family in merge_metrics([(0, text), (1, text), (2, None)])}
+    samples = [(s.labels, s.value) for s in families["proxyblocks_requests"].samples]
+    assert samples == [({"hop": "edge", "process": "0"}, 3.0), ({"hop": "edge", "process": "1"}, 3.0)]
+    up = [(s.labels["process"], s.value) for s in families["proxyblocks_process_up"].samples]
+    assert up == [("0", 1.0), ("1", 1.0), ("2", 0.0)]
+
+
+async def test_the_processes_do_not_outlive_a_killed_parent() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2")
+            pids = [int(pid) for pid in (await lines.until(PROCESSES)).groups()[:2]]
+            process.kill()  # no drain of its own: each process reads end-of-file on its link and drains
+            await process.wait()
+            while any(_alive(pid) for pid in pids):
+                await trio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def test_each_fleet_proxy_is_n_processes() -> None:
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2", recipe="fleet")
+            shared = [
+                (await lines.until(rf"^\[{name}\] processes: (\d+) (\d+) \(sharing (\S+)\)$")).groups() for name in "ab"
+            ]
+            for *pids, where in shared:
+                assert all(_alive(int(pid)) for pid in pids)
+                for _ in range(4):
+                    # curl, as the recipe says (a proxy trusts an edge to have dropped hop-by-hop fields)
+                    assert (
+                        await curl(
+                            "-o", "/dev/null", "-w", "%{http_code}", "-H", "host: demo.example", f"http://{where}/"
+                        )
+                        == "200"
+                    )
+            process.send_signal(signal.SIGTERM)
+            await lines.until(r"^stopped$")
+            assert await process.wait() == 0
+    assert not any(_alive(int(pid)) for *pids, _ in shared for pid in pids)
