@@ -97,6 +97,7 @@ import h2.frame_buffer
 import h2.settings
 import h2.stream
 import hpack
+import hyperframe.exceptions
 import hyperframe.frame
 
 from blocks.http import Headers
@@ -424,8 +425,41 @@ _REMOTE_OPEN = frozenset(
 )
 
 
+# The states the DATA fast paths take (compared by identity: an enum's hash is a Python call).
+_CLIENT_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
+_SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
+_STREAM_OPEN = h2.stream.StreamState.OPEN  # a stream takes and sends DATA without END_STREAM, and stays so
+_HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL  # takes DATA, and stays so
+_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE  # sends DATA, and stays so
+_PADDED_OR_END = 0x08 | 0x01  # DATA flags the fast path leaves to h2
+
+
 class H2Codec(h2.connection.H2Connection):
-    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`."""
+    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`.
+
+    It also takes the common DATA frame off h2's general path, both ways,
+    because a token stream (an LLM's, a voice agent's) is many small DATA
+    frames and each one crossed every hop through all of h2's machinery:
+
+    - **receiving** (:meth:`receive_data`), a run of DATA frames in a row on
+      one stream, none padded or ending it, on a stream that takes DATA
+      without changing state, becomes one ``DataReceived`` event: what one
+      read brought of a stream crosses the hop as one chunk, and so leaves it
+      as one DATA frame (frame boundaries carry no meaning, RFC 9113 5.1).
+      Nothing waits for more: the run is what is already in the buffer. The
+      books are h2's own, charged the run's length at once (the connection's
+      and the stream's windows, the content-length count), so flow-control
+      errors are the ones h2 raises; anything else (a padded or last frame,
+      another frame type, a stream h2 would refuse DATA on, a header block
+      in progress, a server's first frame) goes through h2 one frame at a
+      time, as ever.
+    - **sending** (:meth:`send_data`), a DATA frame without END_STREAM or
+      padding, within the windows and the frame size, on a stream in a state
+      that sends DATA without changing, is framed here (nine bytes and the
+      payload) and charged to h2's windows; anything else is h2's.
+
+    ``tests/test_h2_internals.py`` checks the h2 internals both read.
+    """
 
     event_kinds: ClassVar[Mapping[type, EventKind]] = {
         h2.events.RequestReceived: EventKind.REQUEST,
@@ -439,6 +473,118 @@ class H2Codec(h2.connection.H2Connection):
         h2.events.ConnectionTerminated: EventKind.TERMINATED,
     }
     guard: GuardedFrameBuffer | None = None
+
+    def receive_data(self, data: Any) -> list[Any]:
+        """h2's, with runs of plain DATA frames on one stream taken as one event (see the class docstring)."""
+        buffer = self.incoming_buffer
+        buffer.add_data(data)
+        buffer.max_frame_size = limit = self.max_inbound_frame_size
+        guard = self.guard
+        events: list[Any] = []
+        try:
+            while True:
+                raw = buffer._data
+                if (
+                    len(raw) > 9
+                    and raw[3] == 0  # DATA
+                    and not raw[4] & _PADDED_OR_END
+                    and not buffer._headers_buffer
+                    and (guard is None or not guard._first)
+                    and ((connection := self.state_machine.state) is _CLIENT_OPEN or connection is _SERVER_OPEN)
+                ):
+                    event = self._data_run(raw, limit)
+                    if event is not None:
+                        events.append(event)
+                        if guard is not None:
+                            guard._empty = 0
+                        continue
+                frame = next(buffer, None)
+                if frame is None:
+                    break
+                events.extend(self._receive_frame(frame))
+        except hyperframe.exceptions.InvalidPaddingError as exc:
+            self._terminate_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            raise h2.exceptions.ProtocolError("Received frame with invalid padding.") from exc
+        except h2.exceptions.ProtocolError as exc:
+            self._terminate_connection(exc.error_code)
+            raise
+        return events
+
+    def _data_run(self, raw: bytearray, limit: int) -> h2.events.DataReceived | None:
+        """The DATA frames at the front of ``raw`` on one stream, as one event; None to leave them to h2."""
+        stream = self.streams.get(int.from_bytes(raw[5:9]) & 0x7FFFFFFF)
+        if stream is None:
+            return None
+        machine = stream.state_machine
+        state = machine.state
+        if not (state is _STREAM_OPEN or state is _HALF_CLOSED_LOCAL) or not machine.headers_received:
+            return None
+        sid = raw[5:9]
+        end = len(raw)
+        pos = 0
+        parts = []
+        while (
+            pos + 9 < end and raw[pos + 3] == 0 and not raw[pos + 4] & _PADDED_OR_END and raw[pos + 5 : pos + 9] == sid
+        ):
+            length = int.from_bytes(raw[pos : pos + 3])
+            start = pos + 9
+            if not length or length > limit or start + length > end:
+                break  # (an empty frame counts for the guard; an overlong one is h2's error; a partial one waits)
+            parts.append(raw[start : start + length])
+            pos = start + length
+        if not pos:
+            return None
+        size = pos - 9 * len(parts)
+        del raw[:pos]
+        # h2's books, as its frame-by-frame path would have kept them (a window overrun raises the same).
+        self._inbound_flow_control_window_manager.window_consumed(size)
+        stream._inbound_window_manager.window_consumed(size)
+        stream._track_content_length(size, False)
+        payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+        return h2.events.DataReceived(stream_id=stream.stream_id, data=payload, flow_controlled_length=size)
+
+    def send_data(
+        self, stream_id: int, data: bytes | memoryview, end_stream: bool = False, pad_length: Any = None
+    ) -> None:
+        """h2's, with a plain DATA frame framed here (see the class docstring)."""
+        size = len(data)
+        stream = self.streams.get(stream_id)
+        if (
+            end_stream
+            or pad_length is not None
+            or stream is None
+            or not size
+            or type(data) is not bytes
+            or size > self.outbound_flow_control_window
+            or size > stream.outbound_flow_control_window
+            or not ((state := stream.state_machine.state) is _STREAM_OPEN or state is _HALF_CLOSED_REMOTE)
+            or not ((connection := self.state_machine.state) is _CLIENT_OPEN or connection is _SERVER_OPEN)
+            or size > self.max_outbound_frame_size
+        ):
+            super().send_data(stream_id, data, end_stream, pad_length)
+            return
+        stream.outbound_flow_control_window -= size
+        self.outbound_flow_control_window -= size
+        out = self._data_to_send
+        out += (size << 48 | stream_id).to_bytes(9)  # length (3 bytes), type DATA, no flags, stream id
+        out += data
+
+    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
+        """h2's, without its logging and frame objects: WINDOW_UPDATEs only as h2's window managers ask."""
+        stream = self.streams.get(stream_id)
+        if stream is None or acknowledged_size < 0:
+            super().acknowledge_received_data(acknowledged_size, stream_id)  # (its errors, or nothing to do)
+            return
+        increment = self._inbound_flow_control_window_manager.process_bytes(acknowledged_size)
+        if increment:
+            self._data_to_send += _window_update(0, increment)
+        state = stream.state_machine.state
+        if (
+            state is _STREAM_OPEN or state is _HALF_CLOSED_LOCAL or state is _HALF_CLOSED_REMOTE
+        ):  # (h2's ``stream.open``)
+            increment = stream._inbound_window_manager.process_bytes(acknowledged_size)
+            if increment:
+                self._data_to_send += _window_update(stream_id, increment)
 
     def stream_is_open(self, stream_id: int) -> bool:
         stream = self.streams.get(stream_id)
@@ -470,6 +616,11 @@ class H2Codec(h2.connection.H2Connection):
             self.guard.control_frame()
 
 
+def _window_update(stream_id: int, increment: int) -> bytes:
+    """A WINDOW_UPDATE frame: length 4, type 8, no flags, the stream id; the increment."""
+    return (4 << 48 | 8 << 40 | stream_id).to_bytes(9) + increment.to_bytes(4)
+
+
 class _LengthUncheckedCodec(H2Codec):
     def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> h2.stream.H2Stream:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
@@ -483,10 +634,9 @@ class _LengthUncheckedCodec(H2Codec):
 # responses of the very streams the GOAWAY lets finish, a PING), before the
 # reader could put the state back with ``reopen_after_goaway``: the connection
 # would die with them. The pool's ``accepting`` is what stops new streams.
-_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
 _OUTLIVE_GOAWAY = {
     **h2.connection.H2ConnectionStateMachine._transitions,
-    (_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _OPEN),
+    (_CLIENT_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _CLIENT_OPEN),
 }
 
 

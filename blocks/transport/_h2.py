@@ -58,6 +58,8 @@ _DEFAULT_WINDOW = 65535
 MAX_WINDOW = 2**31 - 1
 BACKLOG_HIGH = 256 * 1024
 """Bytes waiting for a connection's writer past which DATA senders wait (back-pressure)."""
+RECEIVE_SIZE = 65536
+"""The most one read takes from a connection's socket: one reader's batch."""
 
 
 def acknowledge(conn: Codec, size: int, sid: int) -> None:
@@ -197,6 +199,54 @@ class H2Driver:
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         self._writer_done = trio.Event()
         self._connection_window = connection_window
+
+    # -- reading ---------------------------------------------------------------
+
+    async def receive_into(self, receive: Callable[[bytes | bytearray], None]) -> None:
+        """Hand each read of the peer's bytes to ``receive`` (a batch) until the peer ends or we close.
+
+        On a plain socket the reads are ``os.read`` calls with one checkpoint
+        each, where ``receive_some`` pays two and a read that finds nothing:
+        a read that came back short emptied the socket, so the next one first
+        waits for it to be readable; a full one yields, so that one busy
+        connection does not starve the others, and reads again. A lone token
+        that crosses a hop costs its reader one wake-up and one read.
+        Over TLS, ``receive_some``. Errors are trio's (``BrokenResourceError``,
+        ``ClosedResourceError``).
+        """
+        stream = self.stream
+        if self._fd < 0:
+            while not self.closed:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                if not data:
+                    return
+                receive(data)
+            return
+        assert isinstance(stream, trio.SocketStream)
+        sock = stream.socket
+        fd = self._fd
+        read = os.read
+        wait_readable = trio.lowlevel.wait_readable
+        checkpoint = trio.lowlevel.checkpoint
+        full = False
+        while not self.closed:
+            if full:
+                await checkpoint()
+            else:
+                await wait_readable(sock)
+            if sock.fileno() != fd:
+                raise trio.ClosedResourceError("the connection's socket was closed")
+            try:
+                data = read(fd, RECEIVE_SIZE)
+            except BlockingIOError:
+                full = False
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"reading from the {self.peer} failed: {exc}") from exc
+            if not data:
+                return
+            full = len(data) == RECEIVE_SIZE
+            receive(data)
 
     # -- writing ---------------------------------------------------------------
 

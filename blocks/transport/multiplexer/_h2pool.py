@@ -103,22 +103,21 @@ class H2ClientConnection(H2Driver):
         self._ready.set()
 
     async def _reader(self) -> None:
-        stream = self.stream
         try:
-            while not self.closed:
-                data = await stream.receive_some(65536)
-                if not data:
-                    break
-                try:
-                    events = self.h2.receive_data(data)
-                except ProtocolError as exc:
-                    log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
-                    break
-                self.dispatch(events)
+            await self.receive_into(self._receive)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
             self.mark_closed()
+
+    def _receive(self, data: bytes | bytearray) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except ProtocolError as exc:
+            log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
+            self.mark_closed()
+            return
+        self.dispatch(events)
 
     # -- streams -----------------------------------------------------------------
 
