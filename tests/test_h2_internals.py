@@ -320,5 +320,9 @@ def test_the_data_fast_paths_read_what_h2_keeps_where_they_read_it() -> None:
     assert isinstance(stream.outbound_flow_control_window, int)
     assert isinstance(server.outbound_flow_control_window, int)
     relied_on(stream, "_track_content_length", "H2Codec._data_run")
+    assert stream._expected_content_length is None, "H2Codec._data_run: no declared length, nothing to count"
+    for manager in (stream._inbound_window_manager, server._inbound_flow_control_window_manager):
+        for name in ("current_window_size", "max_window_size", "_bytes_processed"):
+            assert isinstance(getattr(manager, name), int), f"WindowManager.{name} (H2Codec.inbound_books)"
     relied_on(h2.connection.H2Connection, "_terminate_connection", "H2Codec.receive_data")
     relied_on(h2.connection.H2Connection, "_receive_frame", "H2Codec.receive_data")

@@ -498,6 +498,8 @@ class H2Codec(h2.connection.H2Connection):
                         if guard is not None:
                             guard._empty = 0
                         continue
+                if len(raw) < 9:
+                    break  # (not even a frame header: nothing for h2 either)
                 frame = next(buffer, None)
                 if frame is None:
                     break
@@ -536,10 +538,12 @@ class H2Codec(h2.connection.H2Connection):
             return None
         size = pos - 9 * len(parts)
         del raw[:pos]
-        # h2's books, as its frame-by-frame path would have kept them (a window overrun raises the same).
+        # h2's books, as its frame-by-frame path would have kept them (a window overrun raises the same);
+        # the body's length is counted only against a declared one, as h2 uses it.
         self._inbound_flow_control_window_manager.window_consumed(size)
         stream._inbound_window_manager.window_consumed(size)
-        stream._track_content_length(size, False)
+        if stream._expected_content_length is not None:
+            stream._track_content_length(size, False)
         payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
         return h2.events.DataReceived(stream_id=stream.stream_id, data=payload, flow_controlled_length=size)
 
@@ -578,10 +582,8 @@ class H2Codec(h2.connection.H2Connection):
         increment = self._inbound_flow_control_window_manager.process_bytes(acknowledged_size)
         if increment:
             self._data_to_send += _window_update(0, increment)
-        state = stream.state_machine.state
-        if (
-            state is _STREAM_OPEN or state is _HALF_CLOSED_LOCAL or state is _HALF_CLOSED_REMOTE
-        ):  # (h2's ``stream.open``)
+        state = stream.state_machine.state  # h2 gives stream window back only while the stream is ``open``:
+        if state is _STREAM_OPEN or state is _HALF_CLOSED_LOCAL or state is _HALF_CLOSED_REMOTE:
             increment = stream._inbound_window_manager.process_bytes(acknowledged_size)
             if increment:
                 self._data_to_send += _window_update(stream_id, increment)
