@@ -232,10 +232,10 @@ class H2Driver:
         while not self.closed:
             if full:
                 await checkpoint()
+                if sock.fileno() != fd:  # (a wait would have raised ClosedResourceError: see notify_closing)
+                    raise trio.ClosedResourceError("the connection's socket was closed")
             else:
-                await wait_readable(sock)
-            if sock.fileno() != fd:
-                raise trio.ClosedResourceError("the connection's socket was closed")
+                await wait_readable(fd)
             try:
                 data = read(fd, RECEIVE_SIZE)
             except BlockingIOError:

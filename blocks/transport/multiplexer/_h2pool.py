@@ -164,12 +164,15 @@ class H2ClientConnection(H2Driver):
 
     def stalled(self, st: H2Stream) -> None:
         super().stalled(st)
-        self.pool.stalled[st] = self
+        pool = self.pool
+        pool.stalled[st] = self
+        pool.watch.set()
 
     def _start_clock(self, st: H2Stream) -> None:
         st.timed = False
         pool = self.pool
         pool.waiting[st] = (trio.current_time() + pool.config.response_timeout, self)
+        pool.watch.set()
 
     def open_spliced(
         self,
@@ -340,8 +343,11 @@ class _H2Pool:
         *,
         dial: Dial | None = None,
         protocol: str = "h2",
+        watch: Signal | None = None,
     ) -> None:
         self.address = address
+        # Set when a stream gets a deadline (waiting, stalled): wakes the sweeper that expires them.
+        self.watch = watch if watch is not None else Signal()
         self.config = config
         self.nursery = nursery
         self.protocol = protocol  # as the statistics name it: "h2", or "https" over TLS
