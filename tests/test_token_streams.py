@@ -135,12 +135,37 @@ def test_a_run_of_frames_in_one_read_is_one_event() -> None:
     assert data[0].data == b"".join(token(i) for i in range(500))
 
 
-def test_frames_of_two_streams_in_turn_stay_apart_and_in_order() -> None:
+def test_frames_of_streams_in_turn_are_joined_per_stream_in_order() -> None:
+    """Streams sharing a connection interleave their tokens: each stream's still arrive as one event."""
     ours, theirs = _connected(2)
     for i in range(10):
         theirs.send_data(1 + 2 * (i % 2), token(i))
     events = [ev for ev in ours.receive_data(theirs.data_to_send()) if isinstance(ev, h2.events.DataReceived)]
-    assert [(ev.stream_id, ev.data) for ev in events] == [(1 + 2 * (i % 2), token(i)) for i in range(10)]
+    assert [(ev.stream_id, ev.data) for ev in events] == [
+        (1, b"".join(token(i) for i in range(0, 10, 2))),
+        (3, b"".join(token(i) for i in range(1, 10, 2))),
+    ]
+
+
+def test_a_streams_reset_or_end_stays_after_its_bytes_and_before_later_ones() -> None:
+    ours, theirs = _connected(3)
+    theirs.send_data(1, token(0))
+    theirs.send_data(3, token(1))
+    theirs.send_data(5, token(2))
+    theirs.reset_stream(3)
+    theirs.send_data(1, token(3))
+    theirs.send_headers(5, [(b"grpc-status", b"0")], end_stream=True)
+    theirs.send_data(1, token(4))
+    events = ours.receive_data(theirs.data_to_send())
+    seen = [(type(ev).__name__, ev.stream_id, getattr(ev, "data", None)) for ev in events]
+    assert seen == [
+        ("DataReceived", 1, token(0) + token(3) + token(4)),
+        ("DataReceived", 3, token(1)),
+        ("DataReceived", 5, token(2)),
+        ("StreamReset", 3, None),
+        ("TrailersReceived", 5, None),
+        ("StreamEnded", 5, None),
+    ]
 
 
 @settings(max_examples=100, deadline=None)

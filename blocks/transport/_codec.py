@@ -510,6 +510,8 @@ class H2Codec(h2.connection.H2Connection):
         except h2.exceptions.ProtocolError as exc:
             self._terminate_connection(exc.error_code)
             raise
+        if len(events) > 2:
+            return _per_stream(events)
         return events
 
     def _data_run(self, raw: bytearray, limit: int) -> h2.events.DataReceived | None:
@@ -616,6 +618,41 @@ class H2Codec(h2.connection.H2Connection):
     def control_frame(self) -> None:
         if self.guard is not None:
             self.guard.control_frame()
+
+
+def _per_stream(events: list[Any]) -> list[Any]:
+    """A read's events, each stream's DATA events joined into its first, where nothing of that stream
+    (its end, a reset, trailers, a window update) or of the connection came between.
+
+    Streams sharing a connection interleave their frames (a replica streaming
+    tokens to many clients at once), and a run is one stream's frames in a
+    row; this joins the rest. Order within a stream is kept, and so is order
+    against everything that concerns it; only one stream's bytes may come
+    before another's, which streams allow (RFC 9113 5.1: each is its own).
+    """
+    joined: list[Any] = []
+    into: dict[int, Any] = {}  # stream id -> its DATA event that may take more
+    parts: dict[int, tuple[Any, list[bytes]]] = {}  # id of an event that took more -> it, and its data in pieces
+    for ev in events:
+        sid = getattr(ev, "stream_id", 0)
+        if type(ev) is h2.events.DataReceived and ev.stream_ended is None:
+            first = into.get(sid)
+            if first is not None:
+                if id(first) in parts:
+                    parts[id(first)][1].append(ev.data)
+                else:
+                    parts[id(first)] = (first, [first.data, ev.data])
+                first.flow_controlled_length += ev.flow_controlled_length
+                continue
+            into[sid] = ev
+        elif sid:
+            into.pop(sid, None)  # the stream's other news stays after its bytes
+        else:
+            into.clear()  # the connection's (SETTINGS, GOAWAY, a window update of its own): after everything
+        joined.append(ev)
+    for ev, pieces in parts.values():
+        ev.data = b"".join(pieces)
+    return joined
 
 
 def _window_update(stream_id: int, increment: int) -> bytes:
