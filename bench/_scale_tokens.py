@@ -51,7 +51,11 @@ Run it from the repository root:
     python bench/_scale_tokens.py --baseline /tmp/tok-base
     python bench/_scale_tokens.py --tokens 20000 --spaced 400 --rounds 2 --baseline /tmp/tok-base
 
-``bench/scale.py`` calls :func:`run` and :func:`report`.
+``bench/scale.py`` calls it as a module (from ``bench/``, as ``_harness``
+is imported): ``figures = run(tokens, spaced, ms, rounds, baseline)`` starts
+and stops every process and returns one :class:`Figures` per (target,
+shape); ``ok, summary = report(figures)`` prints the table and the ratios
+and returns whether the targets are met and the figures for a verdict line.
 """
 
 from __future__ import annotations
@@ -346,16 +350,16 @@ def _chain_argv(root: Path, role: str, port: int, *upstream: int) -> list[str]:
     return [str(root / "bench" / "chain.py"), "--serve", role, str(port), *map(str, upstream)]
 
 
-def start_targets(procs: Processes, replica: int, baseline: Path | None, per_hop: bool) -> dict[str, list[Process]]:
-    """Every target as its processes; the port a client connects to is the last one's."""
+def start_targets(
+    procs: Processes, replica: int, baseline: Path | None, per_hop: bool
+) -> dict[str, tuple[int, list[Process]]]:
+    """Every target: the port a client connects to (its edge's), and its processes."""
     trees = [("", ROOT)] + ([("baseline ", baseline)] if baseline is not None else [])
-    found: dict[str, list[Process]] = {}
-    ports: dict[str, int] = {}
+    found: dict[str, tuple[int, list[Process]]] = {}
     for prefix, root in trees:
         port = free_port()
         chain = procs.start(f"{prefix}chain", _chain_argv(root, "chain", port, replica), port, cwd=root)
-        found[f"{prefix}chain"] = [chain]
-        ports[f"{prefix}chain"] = port
+        found[f"{prefix}chain"] = (port, [chain])
         if per_hop:
             worker, proxy, edge = free_port(), free_port(), free_port()
             hops = [
@@ -363,13 +367,8 @@ def start_targets(procs: Processes, replica: int, baseline: Path | None, per_hop
                 procs.start(f"{prefix}proxy", _chain_argv(root, "proxy", proxy, worker, replica), proxy, cwd=root),
                 procs.start(f"{prefix}edge", _chain_argv(root, "edge", edge, proxy), edge, cwd=root),
             ]
-            found[f"{prefix}chain, a process per hop"] = hops
-            ports[f"{prefix}chain, a process per hop"] = edge
-    _PORTS.update(ports)
+            found[f"{prefix}chain, a process per hop"] = (edge, hops)
     return found
-
-
-_PORTS: dict[str, int] = {}
 
 
 def run(
@@ -392,15 +391,15 @@ def run(
         targets = start_targets(procs, replica_port, baseline, per_hop)
         labels = list(targets)
         for label in labels:  # warm up: connections pooled, code paths run once
-            stream_tokens(_PORTS[label], 2000, 0, timeout=60)
+            stream_tokens(targets[label][0], 2000, 0, timeout=60)
         for round_no in range(rounds):
             print(f"... round {round_no + 1}/{rounds}", flush=True)
             order = labels[round_no % len(labels) :] + labels[: round_no % len(labels)]
             for shape, n, gap in shapes:
                 for label in order:
-                    hops = targets[label]
+                    port, hops = targets[label]
                     before = cpu_ns(hops)
-                    sample = stream_tokens(_PORTS[label], n, gap, timeout=60 + n * (gap + 1) / 1000)
+                    sample = stream_tokens(port, n, gap, timeout=60 + n * (gap + 1) / 1000)
                     sample.cpu_s = (cpu_ns(hops) - before) / 1e9
                     for proc in [*hops, replica]:
                         if (code := proc.popen.poll()) is not None:
