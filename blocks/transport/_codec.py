@@ -452,7 +452,9 @@ class H2Codec(h2.connection.H2Connection):
       errors are the ones h2 raises; anything else (a padded or last frame,
       another frame type, a stream h2 would refuse DATA on, a header block
       in progress, a server's first frame) goes through h2 one frame at a
-      time, as ever.
+      time, as ever. When streams interleave their frames, a stream's runs
+      in one read are joined too (:func:`_per_stream`), never across its
+      own end, reset, trailers or window updates or the connection's frames.
     - **sending** (:meth:`send_data`), a DATA frame without END_STREAM or
       padding, within the windows and the frame size, on a stream in a state
       that sends DATA without changing, is framed here (nine bytes and the
@@ -481,6 +483,8 @@ class H2Codec(h2.connection.H2Connection):
         buffer.max_frame_size = limit = self.max_inbound_frame_size
         guard = self.guard
         events: list[Any] = []
+        runs: set[int] = set()  # the streams the fast path took runs of
+        joinable = False  # one of them more than once: other streams' frames came between
         try:
             while True:
                 raw = buffer._data
@@ -495,6 +499,10 @@ class H2Codec(h2.connection.H2Connection):
                     event = self._data_run(raw, limit)
                     if event is not None:
                         events.append(event)
+                        if event.stream_id in runs:
+                            joinable = True
+                        else:
+                            runs.add(event.stream_id)
                         if guard is not None:
                             guard._empty = 0
                         continue
@@ -510,7 +518,7 @@ class H2Codec(h2.connection.H2Connection):
         except h2.exceptions.ProtocolError as exc:
             self._terminate_connection(exc.error_code)
             raise
-        if len(events) > 2:
+        if joinable:  # (a plain request's batch, one DATA frame a stream, skips the pass)
             return _per_stream(events)
         return events
 
