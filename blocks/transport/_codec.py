@@ -31,7 +31,9 @@ was with h2 alone. The attributes a handler reads, per kind:
   received: no validation, no normalisation, no decoding to str),
   ``stream_ended`` (None unless the frame ended the stream);
 - ``DATA``: ``data`` (bytes), ``flow_controlled_length`` (int, padding
-  included: the amount to acknowledge), ``stream_ended``;
+  included: the amount to acknowledge), ``stream_ended``; one event may
+  carry several frames of one read (the hyper-h2 codec joins them: see
+  :class:`H2Codec`), never across its stream's other events;
 - ``TRAILERS``: ``headers``, ``stream_ended`` (None for a HEADERS frame
   after a request head that did not end the stream: see below);
 - ``STREAM_ENDED``: nothing more (it follows the event that ended the stream);
