@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from blocks import Chain, HTTPServer, LocalReplica
 from blocks.transport._codec import make_h2
+from blocks.transport._h2 import H2Driver
 from tests.support import HOST, RawH2Client, assemble_local, wait_books_balanced
 
 GET = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"tokens.test"), (b":path", b"/")]
@@ -301,10 +302,22 @@ async def test_a_burst_of_tokens_arrives_whole_in_order_and_in_fewer_frames(
 
 
 async def test_a_spaced_token_is_relayed_before_the_next_one_is_sent(
-    scripted: tuple[ScriptedReplica, Chain],
+    scripted: tuple[ScriptedReplica, Chain], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Nothing waits for more: the replica sends token i+1 only once the client holds token i, alone."""
+    """Nothing waits for more: the replica sends token i+1 only once the client holds token i, alone.
+
+    The chain's hops share this process: a hop's reader takes what the hop before it just wrote at once
+    (``H2Driver._take_local``), with no wake-up of its own.
+    """
     replica, chain = scripted
+    taken: list[object] = []
+    take_local = H2Driver._take_local
+
+    def counted(self: H2Driver) -> None:
+        taken.append(self)
+        take_local(self)
+
+    monkeypatch.setattr(H2Driver, "_take_local", counted)
     with trio.fail_after(20):
         async with RawH2Client.open(chain.port) as client:
             sid = await client.start(client.head(b"GET", b"/tokens"))
@@ -320,6 +333,7 @@ async def test_a_spaced_token_is_relayed_before_the_next_one_is_sent(
             rest = await client.collect(sid)
             assert rest.body == b""
             assert isinstance(rest.events[-1], h2.events.StreamEnded)
+        assert taken, "hops of one process hand their bytes on in the writer's batch"
         await wait_books_balanced(_servers(chain), links=["edge -> proxy", "proxy -> worker"])
 
 
