@@ -40,6 +40,7 @@ import collections
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,7 @@ class H2Stream(Wire):
 
 _marked: collections.deque[H2Driver] = collections.deque()
 _local: dict[Any, H2Driver] = {}  # this process's connections on plain sockets, by their own address
+_INET = (socket.AF_INET, socket.AF_INET6)
 _taking_depth = [0]  # reads _take_local is dispatching, one inside another
 _MAX_TAKING = 8
 """How deep reads handed on between connections of one process may nest (a chain's hops: a few)."""
@@ -240,10 +242,12 @@ class H2Driver:
         read = os.read
         wait_readable = trio.lowlevel.wait_readable
         checkpoint = trio.lowlevel.checkpoint
-        try:
-            here, self._peer_address = sock.getsockname(), sock.getpeername()
-        except OSError:
-            here = None
+        here = None
+        if sock.family in _INET:  # (an address names one TCP socket; an unnamed unix socket's does not)
+            try:
+                here, self._peer_address = sock.getsockname(), sock.getpeername()
+            except OSError:
+                pass
         if here is not None:
             _local[here] = self
             self._reading = receive
