@@ -351,3 +351,47 @@ def _values(settings: h2.settings.Settings) -> dict[int, int | None]:
         except KeyError:
             out[key] = None
     return out
+
+
+def test_the_data_fast_paths_read_what_h2_keeps_where_they_read_it() -> None:
+    """``H2Codec.receive_data``, ``send_data`` and ``acknowledge_received_data`` (the token-stream fast paths)
+    charge h2's own books and skip only transitions that leave a state as it was."""
+    stream_machine = h2.stream.H2StreamStateMachine
+    states, inputs = h2.stream.StreamState, h2.stream.StreamInputs
+    table = h2.stream._transitions
+    for state in (states.OPEN, states.HALF_CLOSED_LOCAL):
+        func, after = table[(state, inputs.RECV_DATA)]
+        assert after is state and func is stream_machine.data_received, "DATA received leaves the stream as it was"
+    for state in (states.OPEN, states.HALF_CLOSED_REMOTE):
+        assert table[(state, inputs.SEND_DATA)] == (None, state), "DATA sent leaves the stream as it was"
+    connection = h2.connection.H2ConnectionStateMachine._transitions
+    for state in (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN):
+        for event in (h2.connection.ConnectionInputs.RECV_DATA, h2.connection.ConnectionInputs.SEND_DATA):
+            assert connection[(state, event)] == (None, state)
+    open_states = {s for s in states if h2.stream.STREAM_OPEN[s]}
+    assert open_states == {states.OPEN, states.HALF_CLOSED_REMOTE, states.HALF_CLOSED_LOCAL}, "h2's stream.open"
+
+    server = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
+    assert isinstance(server._data_to_send, bytearray)
+    buffer = server.incoming_buffer
+    assert isinstance(buffer._data, bytearray) and buffer._headers_buffer == []
+    guard = GuardedFrameBuffer(max_header_block=1024, max_empty=8, flood_limit=10, flood_window=1.0)
+    assert guard._first is True and guard._empty == 0
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"a"), (b":path", b"/")])
+    server.receive_data(client.data_to_send())
+    stream = server.streams[1]
+    assert stream.state_machine.headers_received is True
+    assert isinstance(stream._inbound_window_manager, h2.windows.WindowManager)
+    assert isinstance(stream.outbound_flow_control_window, int)
+    assert isinstance(server.outbound_flow_control_window, int)
+    relied_on(stream, "_track_content_length", "H2Codec._data_run")
+    assert stream._expected_content_length is None, "H2Codec._data_run: no declared length, nothing to count"
+    for manager in (stream._inbound_window_manager, server._inbound_flow_control_window_manager):
+        for name in ("current_window_size", "max_window_size", "_bytes_processed"):
+            assert isinstance(getattr(manager, name), int), f"WindowManager.{name} (H2Codec.inbound_books)"
+    relied_on(h2.connection.H2Connection, "_terminate_connection", "H2Codec.receive_data")
+    relied_on(h2.connection.H2Connection, "_receive_frame", "H2Codec.receive_data")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
+import re
 import socket
 import statistics
 from collections.abc import AsyncIterator
@@ -726,5 +727,7 @@ async def test_the_shadow_recipe_reports_the_comparison(nursery: trio.Nursery) -
         assert stats.routes["shop /"].mismatches == 0 and stats.routes["shop /search"].mismatches == 0
         assert stats.routes["shop /price"].mismatches == 10  # the items whose price v2 rounds down
         assert stats.routes["shop /search"].latency_ratio > 1.0
-        assert "shop /price" in text and "mismatch /price?item=1:" in text
+        # The report lists the first three mismatches to complete: which ones, of requests sent 8 at a
+        # time, depends on how the hops' work interleaves, which nothing promises.
+        assert "shop /price" in text and re.search(r"^  mismatch /price\?item=\d+: body: ", text, re.MULTILINE)
         await shadow.shutdown()

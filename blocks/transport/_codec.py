@@ -31,7 +31,9 @@ was with h2 alone. The attributes a handler reads, per kind:
   received: no validation, no normalisation, no decoding to str),
   ``stream_ended`` (None unless the frame ended the stream);
 - ``DATA``: ``data`` (bytes), ``flow_controlled_length`` (int, padding
-  included: the amount to acknowledge), ``stream_ended``;
+  included: the amount to acknowledge), ``stream_ended``; one event may
+  carry several frames of one read (the hyper-h2 codec joins them: see
+  :class:`H2Codec`), never across its stream's other events;
 - ``TRAILERS``: ``headers``, ``stream_ended`` (None for a HEADERS frame
   after a request head that did not end the stream: see below);
 - ``STREAM_ENDED``: nothing more (it follows the event that ended the stream);
@@ -102,6 +104,7 @@ import h2.frame_buffer
 import h2.settings
 import h2.stream
 import hpack
+import hyperframe.exceptions
 import hyperframe.frame
 
 from blocks.http import Headers
@@ -466,8 +469,43 @@ class _ClosedStreams(dict[int, Any]):
                 self.forgotten[parity] = oldest
 
 
+# The states the DATA fast paths take (compared by identity: an enum's hash is a Python call).
+_CLIENT_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
+_SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
+_STREAM_OPEN = h2.stream.StreamState.OPEN  # a stream takes and sends DATA without END_STREAM, and stays so
+_HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL  # takes DATA, and stays so
+_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE  # sends DATA, and stays so
+_PADDED_OR_END = 0x08 | 0x01  # DATA flags the fast path leaves to h2
+
+
 class H2Codec(h2.connection.H2Connection):
-    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`."""
+    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`.
+
+    It also takes the common DATA frame off h2's general path, both ways,
+    because a token stream (an LLM's, a voice agent's) is many small DATA
+    frames and each one crossed every hop through all of h2's machinery:
+
+    - **receiving** (:meth:`receive_data`), a run of DATA frames in a row on
+      one stream, none padded or ending it, on a stream that takes DATA
+      without changing state, becomes one ``DataReceived`` event: what one
+      read brought of a stream crosses the hop as one chunk, and so leaves it
+      as one DATA frame (frame boundaries carry no meaning, RFC 9113 5.1).
+      Nothing waits for more: the run is what is already in the buffer. The
+      books are h2's own, charged the run's length at once (the connection's
+      and the stream's windows, the content-length count), so flow-control
+      errors are the ones h2 raises; anything else (a padded or last frame,
+      another frame type, a stream h2 would refuse DATA on, a header block
+      in progress, a server's first frame) goes through h2 one frame at a
+      time, as ever. When streams interleave their frames, a stream's runs
+      in one read are joined too (:func:`_per_stream`), never across its
+      own end, reset, trailers or window updates or the connection's frames.
+    - **sending** (:meth:`send_data`), a DATA frame without END_STREAM or
+      padding, within the windows and the frame size, on a stream in a state
+      that sends DATA without changing, is framed here (nine bytes and the
+      payload) and charged to h2's windows; anything else is h2's.
+
+    ``tests/test_h2_internals.py`` checks the h2 internals both read.
+    """
 
     event_kinds: ClassVar[Mapping[type, EventKind]] = {
         h2.events.RequestReceived: EventKind.REQUEST,
@@ -494,6 +532,128 @@ class H2Codec(h2.connection.H2Connection):
         if closed_by is None and stream_id <= self._closed_streams.forgotten[stream_id & 1]:
             return h2.stream.StreamClosedBy.SEND_RST_STREAM  # forgotten, and maybe reset by us
         return closed_by
+
+    def receive_data(self, data: Any) -> list[Any]:
+        """h2's, with runs of plain DATA frames on one stream taken as one event (see the class docstring)."""
+        buffer = self.incoming_buffer
+        buffer.add_data(data)
+        buffer.max_frame_size = limit = self.max_inbound_frame_size
+        guard = self.guard
+        events: list[Any] = []
+        runs: set[int] = set()  # the streams the fast path took runs of
+        joinable = False  # one of them more than once: other streams' frames came between
+        try:
+            while True:
+                raw = buffer._data
+                if (
+                    len(raw) > 9
+                    and raw[3] == 0  # DATA
+                    and not raw[4] & _PADDED_OR_END
+                    and not buffer._headers_buffer
+                    and (guard is None or not guard._first)
+                    and ((connection := self.state_machine.state) is _CLIENT_OPEN or connection is _SERVER_OPEN)
+                ):
+                    event = self._data_run(raw, limit)
+                    if event is not None:
+                        events.append(event)
+                        if event.stream_id in runs:
+                            joinable = True
+                        else:
+                            runs.add(event.stream_id)
+                        if guard is not None:
+                            guard._empty = 0
+                        continue
+                if len(raw) < 9:
+                    break  # (not even a frame header: nothing for h2 either)
+                frame = next(buffer, None)
+                if frame is None:
+                    break
+                events.extend(self._receive_frame(frame))
+        except hyperframe.exceptions.InvalidPaddingError as exc:
+            self._terminate_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            raise h2.exceptions.ProtocolError("Received frame with invalid padding.") from exc
+        except h2.exceptions.ProtocolError as exc:
+            self._terminate_connection(exc.error_code)
+            raise
+        if joinable:  # (a plain request's batch, one DATA frame a stream, skips the pass)
+            return _per_stream(events)
+        return events
+
+    def _data_run(self, raw: bytearray, limit: int) -> h2.events.DataReceived | None:
+        """The DATA frames at the front of ``raw`` on one stream, as one event; None to leave them to h2."""
+        stream = self.streams.get(int.from_bytes(raw[5:9]) & 0x7FFFFFFF)
+        if stream is None:
+            return None
+        machine = stream.state_machine
+        state = machine.state
+        if not (state is _STREAM_OPEN or state is _HALF_CLOSED_LOCAL) or not machine.headers_received:
+            return None
+        sid = raw[5:9]
+        end = len(raw)
+        pos = 0
+        parts = []
+        while (
+            pos + 9 < end and raw[pos + 3] == 0 and not raw[pos + 4] & _PADDED_OR_END and raw[pos + 5 : pos + 9] == sid
+        ):
+            length = int.from_bytes(raw[pos : pos + 3])
+            start = pos + 9
+            if not length or length > limit or start + length > end:
+                break  # (an empty frame counts for the guard; an overlong one is h2's error; a partial one waits)
+            parts.append(raw[start : start + length])
+            pos = start + length
+        if not pos:
+            return None
+        size = pos - 9 * len(parts)
+        del raw[:pos]
+        # h2's books, as its frame-by-frame path would have kept them (a window overrun raises the same);
+        # the body's length is counted only against a declared one, as h2 uses it.
+        self._inbound_flow_control_window_manager.window_consumed(size)
+        stream._inbound_window_manager.window_consumed(size)
+        if stream._expected_content_length is not None:
+            stream._track_content_length(size, False)
+        payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+        return h2.events.DataReceived(stream_id=stream.stream_id, data=payload, flow_controlled_length=size)
+
+    def send_data(
+        self, stream_id: int, data: bytes | memoryview, end_stream: bool = False, pad_length: Any = None
+    ) -> None:
+        """h2's, with a plain DATA frame framed here (see the class docstring)."""
+        size = len(data)
+        stream = self.streams.get(stream_id)
+        if (
+            end_stream
+            or pad_length is not None
+            or stream is None
+            or not size
+            or type(data) is not bytes
+            or size > self.outbound_flow_control_window
+            or size > stream.outbound_flow_control_window
+            or not ((state := stream.state_machine.state) is _STREAM_OPEN or state is _HALF_CLOSED_REMOTE)
+            or not ((connection := self.state_machine.state) is _CLIENT_OPEN or connection is _SERVER_OPEN)
+            or size > self.max_outbound_frame_size
+        ):
+            super().send_data(stream_id, data, end_stream, pad_length)
+            return
+        stream.outbound_flow_control_window -= size
+        self.outbound_flow_control_window -= size
+        out = self._data_to_send
+        out += (size << 48 | stream_id).to_bytes(9)  # length (3 bytes), type DATA, no flags, stream id
+        out += data
+
+    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
+        """h2's, without its logging and frame objects: WINDOW_UPDATEs only as h2's window managers ask."""
+        stream = self.streams.get(stream_id)
+        if stream is None or acknowledged_size < 0:
+            super().acknowledge_received_data(acknowledged_size, stream_id)  # (its errors, or nothing to do)
+            return
+        increment = self._inbound_flow_control_window_manager.process_bytes(acknowledged_size)
+        if increment:
+            self._data_to_send += _window_update(0, increment)
+        state = stream.state_machine.state  # h2 gives stream window back only while the stream is ``open``:
+        if state is _STREAM_OPEN or state is _HALF_CLOSED_LOCAL or state is _HALF_CLOSED_REMOTE:
+            increment = stream._inbound_window_manager.process_bytes(acknowledged_size)
+            if increment:
+                self._data_to_send += _window_update(stream_id, increment)
 
     def stream_is_open(self, stream_id: int) -> bool:
         stream = self.streams.get(stream_id)
@@ -525,6 +685,46 @@ class H2Codec(h2.connection.H2Connection):
             self.guard.control_frame()
 
 
+def _per_stream(events: list[Any]) -> list[Any]:
+    """A read's events, each stream's DATA events joined into its first, where nothing of that stream
+    (its end, a reset, trailers, a window update) or of the connection came between.
+
+    Streams sharing a connection interleave their frames (a replica streaming
+    tokens to many clients at once), and a run is one stream's frames in a
+    row; this joins the rest. Order within a stream is kept, and so is order
+    against everything that concerns it; only one stream's bytes may come
+    before another's, which streams allow (RFC 9113 5.1: each is its own).
+    """
+    joined: list[Any] = []
+    into: dict[int, Any] = {}  # stream id -> its DATA event that may take more
+    parts: dict[int, tuple[Any, list[bytes]]] = {}  # id of an event that took more -> it, and its data in pieces
+    for ev in events:
+        sid = getattr(ev, "stream_id", 0)
+        if type(ev) is h2.events.DataReceived and ev.stream_ended is None:
+            first = into.get(sid)
+            if first is not None:
+                if id(first) in parts:
+                    parts[id(first)][1].append(ev.data)
+                else:
+                    parts[id(first)] = (first, [first.data, ev.data])
+                first.flow_controlled_length += ev.flow_controlled_length
+                continue
+            into[sid] = ev
+        elif sid:
+            into.pop(sid, None)  # the stream's other news stays after its bytes
+        else:
+            into.clear()  # the connection's (SETTINGS, GOAWAY, a window update of its own): after everything
+        joined.append(ev)
+    for ev, pieces in parts.values():
+        ev.data = b"".join(pieces)
+    return joined
+
+
+def _window_update(stream_id: int, increment: int) -> bytes:
+    """A WINDOW_UPDATE frame: length 4, type 8, no flags, the stream id; the increment."""
+    return (4 << 48 | 8 << 40 | stream_id).to_bytes(9) + increment.to_bytes(4)
+
+
 class _LengthUncheckedCodec(H2Codec):
     def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> h2.stream.H2Stream:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
@@ -538,10 +738,9 @@ class _LengthUncheckedCodec(H2Codec):
 # responses of the very streams the GOAWAY lets finish, a PING), before the
 # reader could put the state back with ``reopen_after_goaway``: the connection
 # would die with them. The pool's ``accepting`` is what stops new streams.
-_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
 _OUTLIVE_GOAWAY = {
     **h2.connection.H2ConnectionStateMachine._transitions,
-    (_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _OPEN),
+    (_CLIENT_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY): (None, _CLIENT_OPEN),
 }
 
 

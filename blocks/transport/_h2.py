@@ -10,7 +10,10 @@ stream's bytes. Readers go one better: at the end of each batch they write
 every connection the batch touched with one non-blocking ``os.write``
 (:func:`flush_marked`), and only what the socket does not take goes to the
 writer task. Bytes are never reordered: a direct write happens only while
-the writer has nothing pending.
+the writer has nothing pending. When the other end of a direct write is a
+connection of this process whose reader waits (hops sharing a process),
+that end is read and dispatched at once, in the same batch
+(:meth:`H2Driver._take_local`), instead of after its reader's wake-up.
 
 Invariants:
 
@@ -37,6 +40,7 @@ import collections
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +62,8 @@ _DEFAULT_WINDOW = 65535
 MAX_WINDOW = 2**31 - 1
 BACKLOG_HIGH = 256 * 1024
 """Bytes waiting for a connection's writer past which DATA senders wait (back-pressure)."""
+RECEIVE_SIZE = 65536
+"""The most one read takes from a connection's socket: one reader's batch."""
 
 
 def acknowledge(conn: Codec, size: int, sid: int) -> None:
@@ -135,6 +141,11 @@ class H2Stream(Wire):
 
 
 _marked: collections.deque[H2Driver] = collections.deque()
+_local: dict[Any, H2Driver] = {}  # this process's connections on plain sockets, by their own address
+_INET = (socket.AF_INET, socket.AF_INET6)
+_taking_depth = [0]  # reads _take_local is dispatching, one inside another
+_MAX_TAKING = 8
+"""How deep reads handed on between connections of one process may nest (a chain's hops: a few)."""
 _dispatching = False  # a reader's batch is being dispatched: flush_marked comes at its end
 
 
@@ -197,6 +208,122 @@ class H2Driver:
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         self._writer_done = trio.Event()
         self._connection_window = connection_window
+        self._parked = False  # the reader waits for the socket to be readable (see _take_local)
+        self._taking = False  # _take_local is dispatching a read for it
+        self._peer_address: Any = None  # the other end's address (plain sockets): a key of _local if it is ours
+        self._reading: Callable[[bytes | bytearray], None] | None = None  # the reader's receive, while it runs
+
+    # -- reading ---------------------------------------------------------------
+
+    async def receive_into(self, receive: Callable[[bytes | bytearray], None]) -> None:
+        """Hand each read of the peer's bytes to ``receive`` (a batch) until the peer ends or we close.
+
+        On a plain socket the reads are ``os.read`` calls with one checkpoint
+        each, where ``receive_some`` pays two and a read that finds nothing:
+        a read that came back short emptied the socket, so the next one first
+        waits for it to be readable; a full one yields, so that one busy
+        connection does not starve the others, and reads again. A lone token
+        that crosses a hop costs its reader one wake-up and one read, and
+        none at all when the bytes come from a connection of this process
+        (see :meth:`_take_local`). Over TLS, ``receive_some``. Errors are
+        trio's (``BrokenResourceError``, ``ClosedResourceError``).
+        """
+        stream = self.stream
+        if self._fd < 0:
+            while not self.closed:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                if not data:
+                    return
+                receive(data)
+            return
+        assert isinstance(stream, trio.SocketStream)
+        sock = stream.socket
+        fd = self._fd
+        read = os.read
+        wait_readable = trio.lowlevel.wait_readable
+        checkpoint = trio.lowlevel.checkpoint
+        here = None
+        if sock.family in _INET:  # (an address names one TCP socket; an unnamed unix socket's does not)
+            try:
+                here, self._peer_address = sock.getsockname(), sock.getpeername()
+            except OSError:
+                pass
+        if here is not None:
+            _local[here] = self
+            self._reading = receive
+        full = False
+        try:
+            while not self.closed:
+                if full:
+                    await checkpoint()
+                    if sock.fileno() != fd:  # (a wait would have raised ClosedResourceError: see notify_closing)
+                        raise trio.ClosedResourceError("the connection's socket was closed")
+                else:
+                    self._parked = True
+                    try:
+                        await wait_readable(fd)
+                    finally:
+                        self._parked = False
+                try:
+                    data = read(fd, RECEIVE_SIZE)
+                except BlockingIOError:
+                    full = False  # (read for it already: a local peer's flush)
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"reading from the {self.peer} failed: {exc}") from exc
+                if not data:
+                    return
+                full = len(data) == RECEIVE_SIZE
+                receive(data)
+        finally:
+            self._parked = False
+            self._reading = None
+            if here is not None and _local.get(here) is self:
+                del _local[here]
+
+    def _take_local(self) -> None:
+        """A connection of this process just wrote to ours: read and dispatch it now, in the writer's batch.
+
+        Hops that share a process (the chain recipe runs edge, proxy and
+        worker in one) still talk over loopback sockets, and each hop's reader
+        used to be woken by trio for what the hop before it had just written:
+        a wake-up per hop per token. When the reader waits for its socket
+        (nothing unread, ``_parked``), one read of what was just written is
+        dispatched here at once, as the reader would have; the reader finds
+        the socket empty when it next looks. At most one read: more (a full
+        one) is left to the reader, so a busy link still yields. What goes
+        wrong here is this connection's alone, as in its reader: a failure
+        closes it.
+
+        What it dispatches may write back to a connection of this process,
+        and so on: each connection takes at most one such read at a time
+        (``_taking``), and a chain of them is at most :data:`_MAX_TAKING`
+        deep, past which readers are woken as before. Two hops that answer
+        each other (DATA, then WINDOW_UPDATE, then DATA) cannot recurse.
+        """
+        receive = self._reading
+        if receive is None or self.closed:
+            return
+        stream = self.stream
+        assert isinstance(stream, trio.SocketStream)
+        if stream.socket.fileno() != self._fd:
+            return  # closed (its reader has yet to hear of it): the number may be another socket's by now
+        try:
+            data = os.read(self._fd, RECEIVE_SIZE)
+        except OSError:
+            return  # nothing there after all, or broken: the reader finds out
+        if not data:
+            return  # the end: the reader finds it too
+        self._taking = True
+        _taking_depth[0] += 1
+        try:
+            receive(data)
+        except Exception:
+            log.exception("%s failed on what a local connection sent", type(self).__name__)
+            self.mark_closed()
+        finally:
+            self._taking = False
+            _taking_depth[0] -= 1
 
     # -- writing ---------------------------------------------------------------
 
@@ -296,6 +423,9 @@ class H2Driver:
                     # here, not through the writer (which would wake them): wake them.
                     self.backlogged = False
                     self.wake_all_windows()  # their pushes mark us again: flush_marked goes on
+                peer = _local.get(self._peer_address)
+                if peer is not None and peer._parked and not peer._taking and _taking_depth[0] < _MAX_TAKING:
+                    peer._take_local()  # (a hop of this process: no wake-up for it)
                 return
             data = data[sent:]
         self._queue(data)

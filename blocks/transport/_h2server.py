@@ -169,11 +169,9 @@ class H2ServerConnection(RequestChecks):
                 self._receive(initial)
             else:
                 self._bad_preface()
-            while not self.closed:
-                data = await self.stream.receive_some(65536)
-                if not data:
-                    return
-                self._receive(data)
+            await self.receive_into(self._receive)
+            if not self.closed:
+                return  # the client ended the connection
             await self._linger()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass

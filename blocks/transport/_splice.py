@@ -285,8 +285,11 @@ class Splice:
         except ProtocolError:
             self._abort()
             return
-        self._kick()
-        self._maybe_complete()
+        # (_kick, inlined: a token stream comes here once per read)
+        self.down.mark()
+        self.up.mark()
+        if pipe.done:  # (nothing else can complete the exchange)
+            self._maybe_complete()
 
     def ended(self, st: H2Stream, trailers: Headers | None = None) -> None:
         pipe = self.request if st is self.down_st else self.response

@@ -51,6 +51,7 @@ from typing import Any
 import attrs
 import trio
 
+from blocks._sync import Signal
 from blocks.http import Headers, Request, Response
 from blocks.transport import Address
 from blocks.transport._h2 import H2Driver, H2Stream
@@ -78,6 +79,7 @@ class Upstreams:
     _nursery: trio.Nursery
     _pools: dict[tuple[Address, str], Any] = attrs.field(factory=dict)
     _tls: ssl.SSLContext | None = None  # made once, at the first https pool (or at open, with a ca_file)
+    _deadlines: Signal = attrs.field(factory=Signal)  # set when a stream gets a deadline: the sweeper runs
 
     def statistics(self) -> list[PoolStatistics]:
         return [pool.statistics() for pool in self._pools.values()]
@@ -85,8 +87,13 @@ class Upstreams:
     async def _sweep(self) -> None:
         # One timer for every response-head deadline of this hop: far cheaper
         # than a cancel scope per request, at the cost of this resolution.
+        # With nothing to watch it sleeps until a stream gets a deadline (``_H2Pool.watch``): an idle
+        # hop, or one whose streams all have their heads (a token stream), takes no wake-ups for it.
         resolution = self.config.timeout_resolution
+        deadlines = self._deadlines
         while True:
+            if not any(type(pool) is _H2Pool and (pool.waiting or pool.stalled) for pool in self._pools.values()):
+                await deadlines.wait()
             await trio.sleep(resolution)
             now = trio.current_time()
             for pool in self._pools.values():
@@ -137,7 +144,7 @@ class Upstreams:
         assert type(replay) is _Replay
         pool = self._pools.get((address, "h2"))
         if pool is None:
-            pool = self._pools[(address, "h2")] = _H2Pool(address, self.config, self._nursery)
+            pool = self._pools[(address, "h2")] = _H2Pool(address, self.config, self._nursery, watch=self._deadlines)
         old = replay.splice
         up_st = old.response.src_st
         up_st.splice = None  # its body, if any comes, is dropped with the stream
@@ -200,13 +207,13 @@ class Upstreams:
         pool = self._pools.get((address, protocol))
         if pool is None:
             if protocol == "h2":
-                pool = _H2Pool(address, self.config, self._nursery)
+                pool = _H2Pool(address, self.config, self._nursery, watch=self._deadlines)
             elif protocol == "h1":
                 pool = _H1Pool(address, self.config, self._nursery)
             elif protocol == "https":
                 if self._tls is None:
                     self._tls = client_context(self.config.ca_file)
-                pool = _TlsPool(address, self.config, self._nursery, self._tls, self._pools)
+                pool = _TlsPool(address, self.config, self._nursery, self._tls, self._pools, self._deadlines)
             else:
                 raise ValueError(f"unknown upstream protocol {protocol!r}")
             self._pools[(address, protocol)] = pool

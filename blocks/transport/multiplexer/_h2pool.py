@@ -103,22 +103,21 @@ class H2ClientConnection(H2Driver):
         self._ready.set()
 
     async def _reader(self) -> None:
-        stream = self.stream
         try:
-            while not self.closed:
-                data = await stream.receive_some(65536)
-                if not data:
-                    break
-                try:
-                    events = self.h2.receive_data(data)
-                except ProtocolError as exc:
-                    log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
-                    break
-                self.dispatch(events)
+            await self.receive_into(self._receive)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
             self.mark_closed()
+
+    def _receive(self, data: bytes | bytearray) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except ProtocolError as exc:
+            log.warning("upstream %s broke the protocol: %s", self.pool.address, exc)
+            self.mark_closed()
+            return
+        self.dispatch(events)
 
     # -- streams -----------------------------------------------------------------
 
@@ -165,12 +164,15 @@ class H2ClientConnection(H2Driver):
 
     def stalled(self, st: H2Stream) -> None:
         super().stalled(st)
-        self.pool.stalled[st] = self
+        pool = self.pool
+        pool.stalled[st] = self
+        pool.watch.set()
 
     def _start_clock(self, st: H2Stream) -> None:
         st.timed = False
         pool = self.pool
         pool.waiting[st] = (trio.current_time() + pool.config.response_timeout, self)
+        pool.watch.set()
 
     def open_spliced(
         self,
@@ -341,8 +343,11 @@ class _H2Pool:
         *,
         dial: Dial | None = None,
         protocol: str = "h2",
+        watch: Signal | None = None,
     ) -> None:
         self.address = address
+        # Set when a stream gets a deadline (waiting, stalled): wakes the sweeper that expires them.
+        self.watch = watch if watch is not None else Signal()
         self.config = config
         self.nursery = nursery
         self.protocol = protocol  # as the statistics name it: "h2", or "https" over TLS

@@ -23,6 +23,7 @@ import ssl
 
 import trio
 
+from blocks._sync import Signal
 from blocks.errors import UpstreamConnectError
 from blocks.http import Headers, Request, Response
 from blocks.transport import Address
@@ -80,13 +81,20 @@ class _TlsPool:
     """An ``https`` upstream before its first handshake is done (see the module docstring)."""
 
     def __init__(
-        self, address: Address, config: UpstreamConfig, nursery: trio.Nursery, context: ssl.SSLContext, pools: Pools
+        self,
+        address: Address,
+        config: UpstreamConfig,
+        nursery: trio.Nursery,
+        context: ssl.SSLContext,
+        pools: Pools,
+        watch: Signal,
     ) -> None:
         self.address = address
         self.config = config
         self.nursery = nursery
         self._context = context
         self._pools = pools
+        self._watch = watch  # the sweeper's (Upstreams._sweep), for the h2 pool this may become
         self._attempt: _Attempt | None = None
         self._decided: _H2Pool | _H1Pool | None = None
 
@@ -121,7 +129,7 @@ class _TlsPool:
                 stream = await dial(address, self._context)
                 if stream.selected_alpn_protocol() == "h2":
                     redial = functools.partial(dial, address, self._context, "h2")
-                    pool = _H2Pool(address, self.config, self.nursery, dial=redial, protocol="https")
+                    pool = _H2Pool(address, self.config, self.nursery, dial=redial, protocol="https", watch=self._watch)
                     await pool.adopt(stream)
                 else:
                     redial = functools.partial(dial, address, self._context, "http/1.1")
