@@ -40,7 +40,7 @@ def relied_on(owner: object, name: str, where: str) -> object:
 
 def test_the_connection_state_machine_table_outlived_goaway() -> None:
     machine = h2.connection.H2ConnectionStateMachine
-    table = relied_on(machine, "_transitions", "blocks/transport/_codec.py (_OUTLIVE_GOAWAY)")
+    table = relied_on(machine, "_transitions", "blocks/transport/_codec/_h2codec.py (_OUTLIVE_GOAWAY)")
     assert isinstance(table, dict)
     key = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionInputs.RECV_GOAWAY)
     assert key in table, "the pool rewrites this transition so that a GOAWAY leaves the connection open"
@@ -50,19 +50,21 @@ def test_the_connection_state_machine_table_outlived_goaway() -> None:
 
 def test_new_streams_are_made_by_one_method_with_the_content_length_checks_as_methods() -> None:
     begin = relied_on(
-        h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_codec.py (_LengthUncheckedCodec)"
+        h2.connection.H2Connection, "_begin_new_stream", "blocks/transport/_codec/_h2codec.py (_LengthUncheckedCodec)"
     )
     assert callable(begin)
     assert list(inspect.signature(begin).parameters) == ["self", "stream_id", "allowed_ids"]
     for name in ("_initialize_content_length", "_track_content_length"):
-        relied_on(h2.stream.H2Stream, name, "blocks/transport/_codec.py (_LengthUncheckedStream)")
+        relied_on(h2.stream.H2Stream, name, "blocks/transport/_codec/_stream.py (_LengthUncheckedStream)")
     assert not hasattr(h2.stream.H2Stream, "__slots__") or "__dict__" in h2.stream.H2Stream.__slots__, (
         "_LengthUncheckedStream swaps __class__ on h2's streams: they must share a layout"
     )
 
 
 def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method() -> None:
-    relied_on(h2.frame_buffer.FrameBuffer, "_update_header_buffer", "blocks/transport/_codec.py (GuardedFrameBuffer)")
+    relied_on(
+        h2.frame_buffer.FrameBuffer, "_update_header_buffer", "blocks/transport/_codec/_guard.py (GuardedFrameBuffer)"
+    )
     guard = GuardedFrameBuffer(max_header_block=1024, max_empty=8, flood_limit=10, flood_window=1.0)
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     guard.add_data(preface + b"\x00\x00\x00")
@@ -71,7 +73,9 @@ def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method
 
 def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
     server = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
-    window = relied_on(server, "_inbound_flow_control_window_manager", "H2Codec.inbound_books in transport/_codec.py")
+    window = relied_on(
+        server, "_inbound_flow_control_window_manager", "H2Codec.inbound_books in transport/_codec/_h2codec.py"
+    )
     assert isinstance(window, h2.windows.WindowManager)
     for name in ("max_window_size", "current_window_size", "_bytes_processed"):
         assert isinstance(getattr(window, name, None), int), f"WindowManager.{name} (H2Codec.inbound_books)"
@@ -91,7 +95,7 @@ def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
 def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
     for side in (True, False):
         codec = make_h2(client_side=side, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
-        relied_on(codec.state_machine, "state", "blocks/transport/_codec.py (H2Codec.reopen_after_goaway)")
+        relied_on(codec.state_machine, "state", "blocks/transport/_codec/_h2codec.py (H2Codec.reopen_after_goaway)")
         codec.initiate_connection()
         codec.receive_data(
             (b"" if side else b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
@@ -142,7 +146,7 @@ def _client_frames(*blocks: tuple[int, list[tuple[bytes, bytes]], bool]) -> byte
 
 
 def test_a_malformed_requests_headers_frame_is_its_streams_error_on_a_validating_server() -> None:
-    where = "blocks/transport/_codec.py (_LengthUncheckedStream.receive_headers)"
+    where = "blocks/transport/_codec/_stream.py (_LengthUncheckedStream.receive_headers)"
     receive = relied_on(h2.stream.H2Stream, "receive_headers", where)
     assert list(inspect.signature(receive).parameters) == ["self", "headers", "end_stream", "header_encoding"]
     machine = h2.stream.H2StreamStateMachine(1)
@@ -242,7 +246,7 @@ def test_the_frame_buffer_checks_a_length_only_once_the_whole_frame_is_in() -> N
 
 @pytest.mark.parametrize("continuations", [MAX_CONTINUATIONS, MAX_CONTINUATIONS + 1])
 def test_h2_takes_a_header_block_in_max_continuations_frames_and_no_more(continuations: int) -> None:
-    relied_on(h2.frame_buffer, "CONTINUATION_BACKLOG", "blocks/transport/_codec.py (MAX_CONTINUATIONS)")
+    relied_on(h2.frame_buffer, "CONTINUATION_BACKLOG", "blocks/transport/_codec/_guard.py (MAX_CONTINUATIONS)")
     plain = h2.frame_buffer.FrameBuffer(server=False)
     plain.max_frame_size = 16384
     frames: list[hyperframe.frame.Frame] = [hyperframe.frame.HeadersFrame(1, b"\x82")]
@@ -289,7 +293,7 @@ def test_h2_refuses_streams_past_the_limit_it_reads_from_the_local_settings(coun
 def test_closed_streams_are_recorded_where_the_codec_bounds_them() -> None:
     """h2 records how a stream closed in ``_closed_streams`` (item assignment only) when it sweeps
     ``streams``, and asks ``_stream_closed_by`` whether a late frame is a stream or a connection error."""
-    closed_by = relied_on(h2.connection.H2Connection, "_stream_closed_by", "H2Codec in transport/_codec.py")
+    closed_by = relied_on(h2.connection.H2Connection, "_stream_closed_by", "H2Codec in transport/_codec/_h2codec.py")
     assert callable(closed_by)
     assert list(inspect.signature(closed_by).parameters) == ["self", "stream_id"]
     for name in ("_stream_is_closed_by_reset", "_stream_is_closed_by_end", "_open_streams"):

@@ -1,37 +1,12 @@
-"""The part of an HTTP/2 connection that clients and servers share.
+"""The HTTP/2 driver: :class:`H2Driver`, one codec on one trio stream, and the batch its readers end with.
 
-Theory of operation. One :class:`H2Driver` owns one HTTP/2 codec (a
-:class:`~blocks.transport._codec.Codec`: hyper-h2's state machine, behind a
-seam that a second codec can fill) on one trio stream, and two tasks: the role's reader loop (bytes in, events
-out) and :meth:`H2Driver.writer`, which sends what the state machine queued.
-Stream tasks never touch the socket: they call into the state machine (which
-never blocks) and ``kick()`` the writer, so no stream ever waits on another
-stream's bytes. Readers go one better: at the end of each batch they write
-every connection the batch touched with one non-blocking ``os.write``
-(:func:`flush_marked`), and only what the socket does not take goes to the
-writer task. Bytes are never reordered: a direct write happens only while
-the writer has nothing pending. When the other end of a direct write is a
-connection of this process whose reader waits (hops sharing a process),
-that end is read and dispatched at once, in the same batch
-(:meth:`H2Driver._take_local`), instead of after its reader's wake-up.
-
-Invariants:
-
-- Outbound DATA never exceeds the stream's or the connection's send window:
-  :meth:`H2Driver.send_data` waits on a per-stream signal that window
-  updates, settings changes and stream closes all set.
-- Every DATA byte received is acknowledged exactly once, whatever becomes
-  of its stream, and always through :func:`acknowledge`. A byte is held by
-  exactly one owner until then: the stream's
-  :class:`~blocks.http.StreamBody` (given back as the consumer reads it, or
-  when the body fails or is discarded), a splice's pipe (given back as the
-  other side's window takes it, or when the splice closes), a parked retry,
-  or nobody (given back at once). So a slow reader holds at most its own
-  stream window, and a dead stream holds nothing:
-  :meth:`H2Driver.statistics` shows ``unacknowledged`` back at 0 once a
-  connection's streams are gone.
-- The connection window is opened wide at start (``connection_window``),
-  so that streams do not compete for it.
+A driver reads (:meth:`H2Driver.receive_into`), dispatches the codec's
+events to its role's handlers, and writes what the codec queued, straight
+from the reader's batch (:func:`flush_marked`) or through its writer task.
+The batch's state lives here with the class, because the driver's methods
+write it (``_dispatching``, set by :meth:`H2Driver.dispatch` and read by
+:func:`in_batch` and :meth:`H2Driver.send_soon`). The theory of operation
+and the invariants are the package docstring's (:mod:`blocks.transport._h2`).
 """
 
 from __future__ import annotations
@@ -42,19 +17,15 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
 import trio
 
 from blocks._sync import Signal
 from blocks.errors import StreamReset
-from blocks.http import Body, BytesBody, Headers, StreamBody, Wire
+from blocks.http import Body, BytesBody, Headers, StreamBody
 from blocks.transport._codec import Codec, ErrorCodes, EventKind, ProtocolError
-
-if TYPE_CHECKING:
-    from blocks.http import Request
-    from blocks.transport._splice import Splice
+from blocks.transport._h2._stream import H2ConnectionStatistics, H2Stream, acknowledge
 
 log = logging.getLogger("blocks.h2")
 
@@ -64,81 +35,6 @@ BACKLOG_HIGH = 256 * 1024
 """Bytes waiting for a connection's writer past which DATA senders wait (back-pressure)."""
 RECEIVE_SIZE = 65536
 """The most one read takes from a connection's socket: one reader's batch."""
-
-
-def acknowledge(conn: Codec, size: int, sid: int) -> None:
-    """Give ``size`` received DATA bytes of stream ``sid`` back to the peer.
-
-    The one way proxyblocks acknowledges what it received: the connection's
-    window always, the stream's too while the stream is open (the codec skips
-    it for a closed stream). The caller sees to it that the bytes go out
-    (``kick``, ``mark`` or :meth:`H2Driver.send_soon`).
-    """
-    try:
-        conn.acknowledge_received_data(size, sid)
-    except ProtocolError:
-        pass  # only for a stream id the codec never saw, which received DATA cannot name
-
-
-@attrs.frozen
-class H2ConnectionStatistics:
-    """One HTTP/2 connection's streams and inbound flow-control books.
-
-    ``inbound_window`` is what the peer may still send before it waits for
-    a WINDOW_UPDATE (h2 batches them, so it dips to half the window in
-    normal use). ``unacknowledged`` is what was received and not yet given
-    back: bytes held by bodies and splices. Once the connection has no
-    streams it is 0, or the connection leaks window.
-    """
-
-    streams: int
-    inbound_window: int
-    unacknowledged: int
-
-
-class H2Stream(Wire):
-    """Per-stream state the drivers keep beside h2's own; the :class:`~blocks.http.Wire` of its body
-    bytes: ``received`` (DATA from the peer, counted as it arrives), ``sent`` (DATA handed to the codec)."""
-
-    __slots__ = (
-        "body",
-        "body_deadline",
-        "cancel_scope",
-        "closed",
-        "error",
-        "expected",
-        "head",
-        "id",
-        "local_ended",
-        "remote_ended",
-        "signal",
-        "splice",
-        "stalled_since",
-        "timed",
-        "tunnel",
-        "window",
-    )
-
-    def __init__(self, stream_id: int) -> None:
-        self.id = stream_id
-        self.body: StreamBody | None = None  # inbound body, fed by the reader
-        self.head: Any = None  # client: the response head once it arrived; server: the one being sent
-        self.error: BaseException | None = None  # client: why no head will come
-        self.signal: Signal | None = None  # client: woken when the head arrives or the stream dies
-        self.window: Signal | None = None  # woken when send window may have opened
-        self.cancel_scope: trio.CancelScope | None = None
-        self.closed = False
-        self.local_ended = False
-        self.remote_ended = False
-        self.received = 0
-        self.sent = 0
-        self.tunnel = False  # server side: an extended CONNECT (its bytes are a stream, not a body)
-        self.expected: int | None = None  # the declared content-length (server side, when counted)
-        self.stalled_since: float | None = None  # since when sending on it waits for a window or the writer
-        self.body_deadline: float | None = None  # server side: when its request body must have ended
-        self.splice: Splice | None = None  # set when the stream is joined to another (fast path)
-        self.timed = False  # client: the pool's response clock starts when the request ends (local_end)
-
 
 _marked: collections.deque[H2Driver] = collections.deque()
 _local: dict[Any, H2Driver] = {}  # this process's connections on plain sockets, by their own address
@@ -167,12 +63,6 @@ def flush_marked() -> None:
 def in_batch() -> bool:
     """Whether a reader's batch is being dispatched now: what is marked goes out at its end."""
     return _dispatching
-
-
-Relay = Callable[["Request", "H2Driver", H2Stream, bool], bool]
-"""The fast path a hop may offer its listener: ``relay(request, driver, stream,
-request_ended)`` splices the stream upstream and returns True, or returns
-False (nothing done) to let the handler task take the request."""
 
 
 class H2Driver:
