@@ -22,6 +22,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import hyperframe.frame
 import pytest
@@ -29,9 +30,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import Chain, HTTPServer, LocalReplica
+from blocks import Chain, HTTPServer, LocalReplica, UpstreamConfig
 from blocks.transport._codec import make_h2
-from blocks.transport._h2 import H2Driver
+from blocks.transport._h2 import H2Driver, _driver
 from tests.support import HOST, RawH2Client, assemble_local, wait_books_balanced
 
 GET = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"tokens.test"), (b":path", b"/")]
@@ -124,6 +125,31 @@ def test_a_read_of_data_frames_is_taken_whole_in_order_and_on_the_books(
         if size:
             ours.acknowledge_received_data(size, 2 * index + 1)
     assert ours.inbound_books()[1] == held_before
+
+
+@settings(max_examples=150, deadline=None)
+@given(declared=st.integers(0, 120), sizes=st.lists(st.integers(1, 40), max_size=8), end=st.booleans())
+def test_a_run_of_data_is_held_to_the_declared_content_length(declared: int, sizes: list[int], end: bool) -> None:
+    """A response's ``content-length`` holds on the fast path as on h2's: more DATA than declared, or an
+    end short of it, is a protocol error (RFC 9113 8.1.1), whichever frames of a read bring it."""
+    ours, theirs = _connected(0)
+    ours.send_headers(1, GET, end_stream=True)
+    theirs.receive_data(ours.data_to_send())
+    theirs.send_headers(1, [(b":status", b"200"), (b"content-length", b"%d" % declared)])
+    ours.receive_data(theirs.data_to_send())
+    for size in sizes:
+        theirs.send_data(1, b"x" * size)
+    if end:
+        theirs.end_stream(1)
+    total = sum(sizes)
+    wrong = total > declared or (end and total != declared)
+    try:
+        events = ours.receive_data(theirs.data_to_send())
+    except h2.exceptions.ProtocolError:
+        assert wrong, f"{total} bytes of {declared} declared{' and the end' if end else ''} are fine"
+    else:
+        assert not wrong, f"{total} bytes of {declared} declared{' and the end' if end else ''} went through"
+        assert sum(len(ev.data) for ev in events if isinstance(ev, h2.events.DataReceived)) == total
 
 
 def test_a_run_of_frames_in_one_read_is_one_event() -> None:
@@ -335,6 +361,43 @@ async def test_a_spaced_token_is_relayed_before_the_next_one_is_sent(
             assert isinstance(rest.events[-1], h2.events.StreamEnded)
         assert taken, "hops of one process hand their bytes on in the writer's batch"
         await wait_books_balanced(_servers(chain), links=["edge -> proxy", "proxy -> worker"])
+
+
+async def test_a_hop_hands_its_bytes_to_the_connection_at_the_other_end_of_its_socket(
+    nursery: trio.Nursery,
+) -> None:
+    """Every connection of this process is found by its peer, and only by its peer: a listener's
+    connections all share its address, so the registry of local connections (``_local``) is keyed by
+    the pair of addresses. Two streams between proxy and worker, one per connection, make two
+    connections to the worker's listener; each proxy connection's peer is its own worker connection."""
+    replica = ScriptedReplica()
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, replica.serve, 0, host=HOST))
+    port = listeners[0].socket.getsockname()[1]
+    one_stream = UpstreamConfig(max_streams_per_connection=1)
+    chain = await assemble_local(nursery, {"scripted": LocalReplica((HOST, port), "h2")}, proxy_upstream=one_stream)
+    with trio.fail_after(20):
+        async with RawH2Client.open(chain.port) as client:
+            sids = [await client.start(client.head(b"GET", b"/tokens/%d" % i)) for i in range(2)]
+            ups = await replica.wait_opened(2)
+            for up in ups:
+                await replica.write(lambda conn, up=up: conn.send_headers(up, [(b":status", b"200")]))
+                await replica.write(lambda conn, up=up: conn.send_data(up, token(up)))
+            for sid in sids:
+                assert isinstance(await client.next_event(sid), h2.events.ResponseReceived)
+                assert isinstance(await client.next_event(sid), h2.events.DataReceived)
+            worker = chain.worker_server.port
+            at_worker = [key for key in _driver._local if key[0][1] == worker]
+            assert len(at_worker) == 2, "both of the worker's connections are registered, apart"
+            for key, driver in list(_driver._local.items()):
+                peer = _driver._local.get(driver._peer_key)
+                if peer is not None:
+                    assert peer._peer_key == key, "a connection's peer is the connection at its socket's other end"
+            for key in at_worker:
+                assert _driver._local[key]._peer_key in _driver._local, "each is found by its proxy connection"
+            for up in ups:
+                await replica.write(lambda conn, up=up: conn.end_stream(up))
+            for sid in sids:
+                await client.collect(sid)
 
 
 async def test_a_reset_in_the_middle_of_a_read_loses_none_of_another_streams_bytes(

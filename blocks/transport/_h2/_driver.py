@@ -37,7 +37,7 @@ RECEIVE_SIZE = 65536
 """The most one read takes from a connection's socket: one reader's batch."""
 
 _marked: collections.deque[H2Driver] = collections.deque()
-_local: dict[Any, H2Driver] = {}  # this process's connections on plain sockets, by their own address
+_local: dict[Any, H2Driver] = {}  # this process's connections on plain sockets, by (own address, peer's)
 _INET = (socket.AF_INET, socket.AF_INET6)
 _taking_depth = [0]  # reads _take_local is dispatching, one inside another
 _MAX_TAKING = 8
@@ -100,7 +100,7 @@ class H2Driver:
         self._connection_window = connection_window
         self._parked = False  # the reader waits for the socket to be readable (see _take_local)
         self._taking = False  # _take_local is dispatching a read for it
-        self._peer_address: Any = None  # the other end's address (plain sockets): a key of _local if it is ours
+        self._peer_key: Any = None  # (the peer's address, ours): the peer's key in _local if it is of this process
         self._reading: Callable[[bytes | bytearray], None] | None = None  # the reader's receive, while it runs
 
     # -- reading ---------------------------------------------------------------
@@ -135,7 +135,9 @@ class H2Driver:
         here = None
         if sock.family in _INET:  # (an address names one TCP socket; an unnamed unix socket's does not)
             try:
-                here, self._peer_address = sock.getsockname(), sock.getpeername()
+                # (A listener's connections all share its address: only the pair names one.)
+                own, peer = sock.getsockname(), sock.getpeername()
+                here, self._peer_key = (own, peer), (peer, own)
             except OSError:
                 pass
         if here is not None:
@@ -313,7 +315,7 @@ class H2Driver:
                     # here, not through the writer (which would wake them): wake them.
                     self.backlogged = False
                     self.wake_all_windows()  # their pushes mark us again: flush_marked goes on
-                peer = _local.get(self._peer_address)
+                peer = _local.get(self._peer_key)
                 if peer is not None and peer._parked and not peer._taking and _taking_depth[0] < _MAX_TAKING:
                     peer._take_local()  # (a hop of this process: no wake-up for it)
                 return

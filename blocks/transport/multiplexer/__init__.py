@@ -79,7 +79,7 @@ class Upstreams:
     _nursery: trio.Nursery
     _pools: dict[tuple[Address, str], Any] = attrs.field(factory=dict)
     _tls: ssl.SSLContext | None = None  # made once, at the first https pool (or at open, with a ca_file)
-    _deadlines: Signal = attrs.field(factory=Signal)  # set when a stream gets a deadline: the sweeper runs
+    _deadlines: Signal = attrs.field(factory=Signal, init=False)  # set when a stream gets a deadline: the sweeper runs
 
     def statistics(self) -> list[PoolStatistics]:
         return [pool.statistics() for pool in self._pools.values()]
