@@ -432,14 +432,19 @@ async def _reload(reload: Callable[[], Awaitable[None]], lock: trio.Lock, slot: 
                 print("reloaded", flush=True)
 
 
+_PARENT_GONE = 0
+"""What :func:`_parent_gone` puts among the signals: not a signal (none is numbered 0)."""
+
+
 async def _parent_gone(slot: _Supervised, stop: trio.MemorySendChannel[int]) -> None:
     """A supervised process's watch on its link: end-of-file (the parent is gone, even killed) drains
-    this process as SIGTERM would, so that no process outlives its parent for long."""
+    this process as SIGTERM would, so that no process outlives its parent for long; it is not a
+    signal, so it never counts as the second one (a parent killed while its children drain)."""
     link = trio.socket.fromfd(slot.fd, trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     with link:
         while await link.recv(4096):
             pass
-    await stop.send(signal.SIGTERM)
+    await stop.send(_PARENT_GONE)
 
 
 async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slot: _Supervised | None = None) -> int:
@@ -464,13 +469,19 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
                 await start(task_status=task_status)
                 nursery.cancel_scope.cancel()  # it ended: stop waiting for a signal
 
+            signalled = False  # a SIGINT or SIGTERM came (the parent's end drains too, but is no signal)
+
             async def second() -> None:
-                nonlocal code
+                nonlocal code, signalled
                 async for signum in signals:
-                    if signum != signal.SIGHUP:
-                        say("stopping now")
-                        code = 128 + signum
-                        nursery.cancel_scope.cancel()
+                    if signum in (signal.SIGHUP, _PARENT_GONE):
+                        continue
+                    if not signalled:  # the first signal: the parent's end began the drain
+                        signalled = True
+                        continue
+                    say("stopping now")
+                    code = 128 + signum
+                    nursery.cancel_scope.cancel()
 
             if slot is not None:
                 nursery.start_soon(_parent_gone, slot, send.clone())
@@ -488,6 +499,7 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
             reloads = trio.Lock()
             async for signum in signals:
                 if signum != signal.SIGHUP:
+                    signalled = signum != _PARENT_GONE
                     break
                 if reload is not None:
                     nursery.start_soon(_reload, reload, reloads, slot)

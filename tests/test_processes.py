@@ -10,9 +10,13 @@ connections until both have counted one.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -274,6 +278,83 @@ async def test_the_processes_do_not_outlive_a_killed_parent() -> None:
             await process.wait()
             while any(_alive(pid) for pid in pids):
                 await trio.sleep(0.05)
+
+
+async def test_a_parent_killed_while_its_processes_drain_lets_them_finish() -> None:
+    """SIGTERM to the parent drains every process; SIGKILL to it then (end-of-file on each one's link)
+    is no second signal: the request in flight completes, and each process exits 0."""
+    with trio.fail_after(90), adopting_orphans() as pids:
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2", "--admin-port", "0", "--grace", "60")
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            pids += [int(pid) for pid in (await lines.until(PROCESSES)).groups()[:2]]
+            admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
+            async with (
+                httpx.AsyncClient(trust_env=False, timeout=30) as client,
+                client.stream("GET", f"{url}/stream?n=6&ms=400") as response,
+            ):
+                chunks = response.aiter_raw()
+                body = await anext(chunks)  # in flight
+                process.send_signal(signal.SIGTERM)
+                await lines.until(r"^draining\.\.\.$")
+                while not all(map(drained_or_draining, rows := await statuses(admin))):
+                    await trio.sleep(0.05)
+                draining = [os.pidfd_open(row["pid"]) for row in rows if row["serving"]]  # (one has our request)
+                process.kill()
+                async for chunk in chunks:
+                    body += chunk
+            assert (response.status_code, body) == (200, b"".join(b"token %d\n" % i for i in range(6)))
+            exits = [await exit_status(pidfd) for pidfd in draining]  # (None: it ended before its parent)
+            assert 0 in exits and set(exits) <= {0, None}, exits
+
+
+def drained_or_draining(row: dict[str, Any]) -> bool:
+    """Whether a process of the merged ``/status.json`` drains (an idle one may be done already)."""
+    return not row["serving"] or bool(row["status"] and row["status"]["draining"])
+
+
+async def statuses(admin: str) -> list[dict[str, Any]]:
+    """Each process's row of the parent's merged ``/status.json``."""
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        rows: list[dict[str, Any]] = (await client.get(f"{admin}/status.json")).json()["processes"]
+    return rows
+
+
+@contextmanager
+def adopting_orphans() -> Iterator[list[int]]:
+    """This process adopts the orphans of its descendants (``PR_SET_CHILD_SUBREAPER``), so that a test
+    can read the exit status of a process whose parent it killed (:func:`exit_status`). Yields a
+    list for the test to put their pids in: any of them still running on the way out is killed, and
+    all are reaped."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    if prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        pytest.skip("this system cannot make a process a subreaper")
+    pids: list[int] = []
+    try:
+        yield pids
+    finally:
+        prctl(36, 0, 0, 0, 0)
+        for pid in pids:
+            try:
+                if os.waitpid(pid, os.WNOHANG) == (0, 0):  # adopted, and running
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # not adopted, or reaped already
+
+
+async def exit_status(pidfd: int) -> int | None:
+    """The exit status of the process of ``pidfd`` (closed here) once it exits, if this process
+    adopted it (:func:`adopting_orphans`); None if its parent was there to reap it."""
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+        ended = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+    except ChildProcessError:
+        return None
+    finally:
+        os.close(pidfd)
+    assert ended is not None
+    return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
 
 
 def _alive(pid: int) -> bool:
