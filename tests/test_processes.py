@@ -11,6 +11,8 @@ connections until both have counted one.
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -25,8 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import Lines, curl, http_server, start_recipe
 from test_startup_errors import assert_one_line_error, run_recipe
 
-from blocks import Chain, WorkerSessionConfig, serve_chain
-from blocks.observe import merge_metrics
+from blocks import Chain, Request, Response, WorkerSessionConfig, serve_chain, serve_http
+from blocks.http import BytesBody
+from blocks.observe import ProcessAdmin, merge_metrics, serve_merged_admin
 from blocks.scheduler import SchedulerConfig, TenantPolicy
 
 PROCESSES = r"^processes: (\d+) (\d+) \(sharing (\S+)\)$"
@@ -262,11 +265,65 @@ def test_merged_metrics_label_every_sample_with_its_process() -> None:
         "# HELP proxyblocks_requests_total Requests.\n# TYPE proxyblocks_requests_total counter\n"
         'proxyblocks_requests_total{hop="edge"} 3.0\n'
     )
-    families = {family.name: family for family in merge_metrics([(0, text), (1, text), (2, None)])}
+    merged = merge_metrics([(0, text), (1, text), (2, None), (3, text + "not metrics {{{\n")])
+    families = {family.name: family for family in merged}
     samples = [(s.labels, s.value) for s in families["proxyblocks_requests"].samples]
     assert samples == [({"hop": "edge", "process": "0"}, 3.0), ({"hop": "edge", "process": "1"}, 3.0)]
     up = [(s.labels["process"], s.value) for s in families["proxyblocks_process_up"].samples]
-    assert up == [("0", 1.0), ("1", 1.0), ("2", 0.0)]
+    assert up == [("0", 1.0), ("1", 1.0), ("2", 0.0), ("3", 0.0)]  # (3: its text does not parse)
+
+
+METRICS = (
+    b"# HELP proxyblocks_requests_total Requests.\n# TYPE proxyblocks_requests_total counter\n"
+    b'proxyblocks_requests_total{hop="edge"} 3.0\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "status"),
+    [
+        (b"not metrics at all {{{\n", b"not json"),
+        (b"\xff\xfe proxyblocks_requests_total 1\n", b"\xff\xfe{}"),
+        (b"# TYPE x bogus\nx 1\n", b'{"draining": NaN}'),
+        (b"x{a=b} 1\n", b"[" * 100_000),
+    ],
+)
+async def test_a_process_answering_garbage_is_one_that_did_not_answer(metrics: bytes, status: bytes) -> None:
+    """Three stand-ins for a parent's children, real HTTP servers on loopback: process 0 answers
+    ``metrics`` and ``status`` (that do not parse), process 1 answers well, process 2 never answers.
+    The parent's merged endpoints leave 0 and 2 out alike, and keep 1's data."""
+    good_status = {"draining": False, "listeners": []}
+
+    async def garbage(request: Request) -> Response:
+        return Response(200, [], BytesBody(metrics if request.path == b"/metrics" else status))
+
+    async def good(request: Request) -> Response:
+        body = METRICS if request.path == b"/metrics" else json.dumps(good_status).encode()
+        return Response(200, [], BytesBody(body))
+
+    async def silent(request: Request) -> Response:
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            ports = [
+                (await nursery.start(functools.partial(serve_http, handler))).port
+                for handler in (garbage, good, silent)
+            ]
+            known = [ProcessAdmin(i, os.getpid(), port, True) for i, port in enumerate(ports)]
+            merged = await nursery.start(functools.partial(serve_merged_admin, lambda: known, timeout=0.5))
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                scraped = await client.get(f"http://127.0.0.1:{merged.port}/metrics")
+                document = await client.get(f"http://127.0.0.1:{merged.port}/status.json")
+            nursery.cancel_scope.cancel()
+    assert scraped.status_code == 200, scraped.text
+    families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+    up = {s.labels["process"]: s.value for s in families["proxyblocks_process_up"].samples}
+    assert up == {"0": 0.0, "1": 1.0, "2": 0.0}
+    samples = [(s.name, s.labels, s.value) for s in families["proxyblocks_requests"].samples]
+    assert samples == [("proxyblocks_requests_total", {"hop": "edge", "process": "1"}, 3.0)]
+    assert document.status_code == 200, document.text
+    assert [row["status"] for row in document.json()["processes"]] == [None, good_status, None]
 
 
 async def test_the_processes_do_not_outlive_a_killed_parent() -> None:
