@@ -58,6 +58,9 @@ class Operations:
     processes: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     """How many processes serve the command's port (``--processes N``): with more than one, each
     binds it with ``SO_REUSEPORT`` and takes ``1/N`` of the fair scheduler's budget and caps."""
+    start_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    """With more than one process (``--start-timeout``): seconds each of them gets to serve once
+    started; one that has not is killed (before all first served, that ends the command, exit 2)."""
     process: int | None = None
     """This process's index among them (0 to ``processes - 1``) when a supervising parent started it
     (:func:`run_until_signal`); its admin listener is then on a private loopback port, which the
@@ -86,7 +89,13 @@ def _supervised() -> _Supervised | None:
     if len(words) != 3 or not all(word.isdigit() for word in words):
         return None
     index, count, fd = map(int, words)
-    return _Supervised(index, count, fd) if index < count else None
+    if index >= count:
+        return None
+    try:  # (inherited to be had here: a process this one starts must not hold the link open)
+        os.set_inheritable(fd, False)
+    except OSError:  # no such descriptor: no parent to report to
+        return None
+    return _Supervised(index, count, fd)
 
 
 def _report(slot: _Supervised, **message: object) -> None:
@@ -151,7 +160,7 @@ class CommandParser(argparse.ArgumentParser):
 
     def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
         """The flags of a command that listens: ``--host``, ``--port``, ``--grace``,
-        ``--processes`` (:meth:`add_processes_flag`) and, with
+        ``--processes`` and ``--start-timeout`` (:meth:`add_processes_flag`) and, with
         ``tls``, ``--tls`` (a self-signed certificate), ``--cert FILE`` and ``--key FILE``
         (which go together: one without the other is an error)."""
         self.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
@@ -165,13 +174,21 @@ class CommandParser(argparse.ArgumentParser):
 
     def add_processes_flag(self) -> None:
         """``--processes N``: N processes share the port, under a supervising parent
-        (:attr:`Operations.processes`; give the namespace's ``operations`` to :func:`run_until_signal`)."""
+        (:attr:`Operations.processes`; give the namespace's ``operations`` to :func:`run_until_signal`),
+        and ``--start-timeout S``, the seconds each gets to serve (:attr:`Operations.start_timeout`)."""
         self.add_argument(
             "--processes",
             type=at_least(1, most=256),
             default=1,
             metavar="N",
             help="processes sharing the port (SO_REUSEPORT) under a supervising parent",
+        )
+        self.add_argument(
+            "--start-timeout",
+            type=between(0.001),
+            default=60.0,
+            metavar="S",
+            help="seconds each process of --processes N gets to serve once started, or it is killed",
         )
 
     def error(self, message: str) -> NoReturn:
@@ -204,11 +221,13 @@ class CommandParser(argparse.ArgumentParser):
             access_log=parsed.access_log,
             access_log_hops=parsed.access_log_hops,
             processes=getattr(parsed, "processes", 1),
+            start_timeout=getattr(parsed, "start_timeout", 60.0),
             process=None if slot is None else slot.index,
         )
         del parsed.admin_port, parsed.access_log, parsed.access_log_hops  # (log_level stays: a process may use it)
-        if hasattr(parsed, "processes"):
-            del parsed.processes
+        for name in ("processes", "start_timeout"):
+            if hasattr(parsed, name):
+                delattr(parsed, name)
         return parsed
 
     def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:

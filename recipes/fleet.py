@@ -116,7 +116,9 @@ async def main(
             await EtcdSource(etcd).put(key, value)
         for name in "abcdefghijklmnopqrstuvwxyz"[:proxies]:
             command = [sys.executable, "-m", "recipes.fleet", "--role", "proxy", "--name", name, "--etcd", etcd]
-            command += ["--progress-interval", str(interval), "--processes", str(getattr(operations, "processes", 1))]
+            each = operations or Operations()  # (its --processes and --start-timeout are per proxy)
+            command += ["--progress-interval", str(interval), "--processes", str(each.processes)]
+            command += ["--start-timeout", str(each.start_timeout)]
             process, line = await chain.start(run_child_process, command, f"proxy {name} listening on ", name)
             started.append(ProxyProcess(name, line.split()[4], process))
 

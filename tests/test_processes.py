@@ -14,7 +14,10 @@ import ctypes
 import functools
 import json
 import os
+import re
 import signal
+import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,10 +27,11 @@ import httpx
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from support import Lines, curl, http_server, start_recipe
+from support import Lines, curl, http_server, start_python, start_recipe
 from test_startup_errors import assert_one_line_error, run_recipe
 
 from blocks import Chain, Request, Response, WorkerSessionConfig, serve_chain, serve_http
+from blocks.command import SUPERVISED_VARIABLE, _Supervised, _supervised
 from blocks.http import BytesBody
 from blocks.observe import ProcessAdmin, merge_metrics, serve_merged_admin
 from blocks.scheduler import SchedulerConfig, TenantPolicy
@@ -221,6 +225,8 @@ async def test_a_bad_flag_with_processes_is_one_line() -> None:
     assert_one_line_error(code, stdout, stderr, "--processes")
     code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--tls")  # (a certificate each)
     assert_one_line_error(code, stdout, stderr, "--tls", "--cert")
+    code, stdout, stderr = await run_recipe("chain", "--processes", "2", "--start-timeout", "0")
+    assert_one_line_error(code, stdout, stderr, "--start-timeout")
 
 
 async def test_a_process_that_cannot_start_ends_the_parent_with_its_one_line(tmp_path: Path) -> None:
@@ -412,6 +418,76 @@ async def exit_status(pidfd: int) -> int | None:
         os.close(pidfd)
     assert ended is not None
     return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+
+
+STAND_IN = """
+import json, os, signal, sys
+
+mode, grace, start_timeout = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+if "PROXYBLOCKS_PROCESS" not in os.environ:  # the parent, as run_until_signal makes it
+    from blocks._supervisor import supervise
+    from blocks.command import Operations
+
+    operations = Operations(processes=2, start_timeout=start_timeout)
+    sys.exit(supervise(operations, ("127.0.0.1", 0), grace=grace, stop_margin=0.5))
+index, _, link = map(int, os.environ["PROXYBLOCKS_PROCESS"].split())
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.write(1, f"child {index} pid {os.getpid()}\\n".encode())  # (one write: the two children share stdout)
+if mode == "deaf" or index == 0:  # "deaf": serves, and ignores SIGTERM; "silent": process 1 never serves
+    os.write(link, json.dumps({"started": os.getpid(), "admin": None}).encode() + b"\\n")
+while True:
+    signal.pause()
+"""
+"""A command whose children misbehave (``python STAND_IN MODE GRACE START_TIMEOUT``): the parent is
+the real supervisor (stopping children 0.5 s past the grace), and each child a few lines that speak
+the link's protocol, then ignore SIGTERM."""
+
+
+async def test_a_process_that_ignores_sigterm_is_killed_past_the_grace(tmp_path: Path) -> None:
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_python(nursery, str(script), "deaf", "0.5", "60")
+            pids = [int(pid) for pid in (await lines.until(PROCESSES)).groups()[:2]]
+            process.send_signal(signal.SIGTERM)
+            output = await lines.rest()
+            assert await process.wait() == 0
+            assert process.stderr is not None
+            said = (await Lines(process.stderr).rest()).splitlines()
+    assert output.endswith("draining...\nstopped\n"), output
+    assert sorted(said) == [
+        f"proxyblocks: process {i} (pid {pid}) did not stop within 1s of SIGTERM; killing it"
+        for i, pid in enumerate(pids)
+    ]
+    assert not any(_alive(pid) for pid in pids)
+
+
+async def test_a_process_that_never_serves_ends_the_parent_with_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [sys.executable, str(script), "silent", "0.5", "3"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
+    assert_one_line_error(result.returncode, stdout, stderr, "process 1 did not serve within 3s")
+    pids = [int(pid) for pid in re.findall(r"^child \d pid (\d+)$", stdout, re.MULTILINE)]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids), stdout
+
+
+def test_the_link_to_the_parent_is_not_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that a supervised one starts cannot hold its link to the parent open."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.set_inheritable(True)  # (as pass_fds leaves it in the child)
+        monkeypatch.setenv(SUPERVISED_VARIABLE, f"1 2 {theirs.fileno()}")
+        _supervised.cache_clear()
+        try:
+            assert _supervised() == _Supervised(1, 2, theirs.fileno())
+            assert not theirs.get_inheritable()
+        finally:
+            _supervised.cache_clear()
 
 
 def _alive(pid: int) -> bool:
