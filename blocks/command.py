@@ -57,7 +57,8 @@ class Operations:
     access_log_hops: frozenset[str] | None = None
     processes: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     """How many processes serve the command's port (``--processes N``): with more than one, each
-    binds it with ``SO_REUSEPORT`` and takes ``1/N`` of the fair scheduler's budget and caps."""
+    binds it with ``SO_REUSEPORT`` and takes its share of the fair scheduler's budget and caps
+    (:meth:`~blocks.scheduler.SchedulerConfig.split` by :attr:`process`: together, what one took)."""
     start_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
     """With more than one process (``--start-timeout``): seconds each of them gets to serve once
     started; one that has not is killed (before all first served, that ends the command, exit 2)."""

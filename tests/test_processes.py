@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from support import Lines, curl, http_server, start_python, start_recipe
 from test_startup_errors import assert_one_line_error, run_recipe
@@ -252,18 +254,45 @@ def test_the_budgets_are_split_so_n_processes_admit_what_one_did() -> None:
         default_policy=TenantPolicy(max_in_flight=256, max_queued=512),
         tenants={"tiny": TenantPolicy(max_in_flight=1, max_queued=0, weight=3)},
     )
-    assert config.split(1) is config
-    half = config.split(2)
+    assert config.split(1, 0) is config
+    half = config.split(2, 1)
     assert (half.budget, half.default_policy.max_in_flight, half.default_policy.max_queued) == (256, 128, 256)
     assert (half.tenants["tiny"].max_in_flight, half.tenants["tiny"].max_queued, half.tenants["tiny"].weight) == (
         1,
         0,
         3,
     )  # at least 1 slot; never waiting stays never waiting
-    assert config.split(1000).budget == 1
-    assert SchedulerConfig(budget=8).split(2).default_policy.max_in_flight is None
+    assert [SchedulerConfig(budget=5).split(2, i).budget for i in (0, 1)] == [3, 2]  # not 2 and 2
+    assert config.split(1000, 999).budget == 1
+    assert SchedulerConfig(budget=8).split(2, 0).default_policy.max_in_flight is None
     with pytest.raises(ValueError, match="at least 1"):
-        config.split(0)
+        config.split(0, 0)
+    with pytest.raises(ValueError, match="from 0 to 1"):
+        config.split(2, 2)
+
+
+@given(
+    budget=st.integers(1, 10_000),
+    in_flight=st.none() | st.integers(1, 10_000),
+    queued=st.integers(0, 10_000),
+    processes=st.integers(1, 256),
+)
+def test_the_shares_of_n_processes_add_up_to_what_one_process_had(
+    budget: int, in_flight: int | None, queued: int, processes: int
+) -> None:
+    """Invariant: the shares of every index add up to the original, or to ``processes`` where the
+    original is below it (each share is at least 1; never waiting stays never waiting)."""
+    config = SchedulerConfig(budget=budget, tenants={"t": TenantPolicy(max_in_flight=in_flight, max_queued=queued)})
+    shares = [config.split(processes, index) for index in range(processes)]
+    policies = [share.policy("t") for share in shares]
+    assert sum(share.budget for share in shares) == max(budget, processes)
+    assert all(share.budget >= 1 for share in shares)
+    if in_flight is None:
+        assert all(policy.max_in_flight is None for policy in policies)
+    else:
+        assert sum(policy.max_in_flight or 0 for policy in policies) == max(in_flight, processes)
+    assert sum(policy.max_queued for policy in policies) == (queued and max(queued, processes))
+    assert max(share.budget for share in shares) - min(share.budget for share in shares) <= 1  # even
 
 
 def test_merged_metrics_label_every_sample_with_its_process() -> None:
