@@ -67,6 +67,11 @@ class Operations:
     (:func:`run_until_signal`); its admin listener is then on a private loopback port, which the
     parent's merges."""
 
+    def process_flags(self) -> list[str]:
+        """``--processes N --start-timeout S`` as this says: what a command passes on to a command
+        it starts, so that one runs as many processes (the fleet recipe's proxies)."""
+        return ["--processes", str(self.processes), "--start-timeout", f"{self.start_timeout:g}"]
+
 
 @attrs.frozen
 class _Supervised:
