@@ -13,13 +13,16 @@ startup error; each reload's outcome) and reads end-of-file there when the
 parent is gone, which drains it.
 
 Rules: a child that exits before every child first served ends the whole
-command (exit 2, with the child's one line: bad config does not loop); a
-child that dies later is started again after a backoff that doubles from
-0.1 s to 10 s (back to 0.1 s once a child has served for 10 s), while the
-others serve on. SIGHUP is sent to every serving child and answered once
-(``reloaded``, or the first failure). SIGINT or SIGTERM: SIGTERM to every
-child (each drains within ``--grace``), then ``stopped`` and exit 0; a
-second signal SIGKILLs them all.
+command (exit 2, with the child's one line: bad config does not loop); so
+does one that has not served within ``--start-timeout`` (it is killed). A
+child that dies later, or is killed for not serving in time after a
+restart, is started again after a backoff that doubles from 0.1 s to 10 s
+(back to 0.1 s once a child has served for 10 s), while the others serve
+on. SIGHUP is sent to every serving child and answered once (``reloaded``,
+or the first failure). SIGINT or SIGTERM: SIGTERM to every child (each
+drains within ``--grace``), then ``stopped`` and exit 0; a child still
+running ``STOP_MARGIN`` seconds past the grace is SIGKILLed (one line on
+stderr says so); a second signal SIGKILLs them all at once.
 """
 
 from __future__ import annotations
@@ -49,13 +52,20 @@ HEALTHY_AFTER = 10.0
 """Seconds a child must serve for its next death to start the backoff over."""
 RELOAD_TIMEOUT = 30.0
 """Seconds the parent waits for every child to say how its reload went."""
+STOP_MARGIN = 5.0
+"""Seconds past the drain's grace a child gets to exit after SIGTERM, before it is SIGKILLed."""
 
 
-def supervise(operations: Operations, listen: tuple[str, int], *, grace: float) -> int:
+def supervise(
+    operations: Operations, listen: tuple[str, int], *, grace: float, stop_margin: float = STOP_MARGIN
+) -> int:
     """Run ``operations.processes`` copies of this command on ``listen``'s port until a signal stops them.
 
     Returns the exit status: 0 after a drain, 2 if the port cannot be held
-    or a child fails before serving, 128 + the signal after a second one.
+    or a child fails before serving (or does not serve within
+    ``operations.start_timeout``), 128 + the signal after a second one.
+    A child still running ``grace + stop_margin`` seconds after its SIGTERM
+    is SIGKILLed.
     """
     host, port = listen
     try:
@@ -66,7 +76,15 @@ def supervise(operations: Operations, listen: tuple[str, int], *, grace: float) 
     with held:
         port = held.getsockname()[1]
         command = [sys.executable, *sys.orig_argv[1:], "--port", str(port)]
-        supervisor = Supervisor(command, operations.processes, host=host, port=port, admin_port=operations.admin_port)
+        supervisor = Supervisor(
+            command,
+            operations.processes,
+            host=host,
+            port=port,
+            admin_port=operations.admin_port,
+            start_timeout=operations.start_timeout,
+            stop_margin=stop_margin,
+        )
         try:
             return trio.run(supervisor.run, grace)
         except KeyboardInterrupt:  # before the signal handlers were in place
@@ -101,6 +119,10 @@ class Child:
     process: trio.Process | None = None
     admin: int | None = None
     serving: bool = False
+    served_at: float | None = None
+    """When this start of it first served (``trio.current_time()``), else None."""
+    late: bool = False
+    """This start of it was killed for not serving within the start timeout."""
     error: str | None = None
     starts: int = 0
     reload_pending: bool = False
@@ -129,6 +151,10 @@ class Supervisor:
     host: str
     port: int
     admin_port: int | None = None
+    start_timeout: float = 60.0
+    """Seconds each start of a child gets to serve; past it, it is killed."""
+    stop_margin: float = STOP_MARGIN
+    """Seconds past the grace a child gets to exit after SIGTERM; past it, it is killed."""
     children: list[Child] = attrs.Factory(lambda self: [Child(i) for i in range(self.count)], takes_self=True)
     stopping: bool = False
     started: bool = False
@@ -192,7 +218,16 @@ class Supervisor:
                                 nursery.cancel_scope.cancel()  # (each child is killed on the way out)
 
                     nursery.start_soon(second)
-                    await self.wait_for(lambda: all(child.process is None for child in self.children))
+                    with trio.move_on_after(grace + self.stop_margin):
+                        await self.wait_for(lambda: all(child.process is None for child in self.children))
+                    for child in self.children:  # (what is left: the cancel below SIGKILLs it)
+                        if child.process is not None:
+                            print(
+                                f"proxyblocks: process {child.index} (pid {child.pid}) did not stop within"
+                                f" {grace + self.stop_margin:g}s of SIGTERM; killing it",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                 nursery.cancel_scope.cancel()
         if self.fatal is not None:
             print(f"proxyblocks: error: {self.fatal}", file=sys.stderr, flush=True)
@@ -218,16 +253,17 @@ class Supervisor:
         """Run ``child`` until the parent stops, starting it again whenever it dies."""
         backoff = FIRST_BACKOFF
         while not self.stopping:
-            began = trio.current_time()
             code = await self._run_once(child)
             if self.stopping:
                 return
+            late = f"did not serve within {self.start_timeout:g}s" if child.late else None
             if not self.started:
-                self._fail(child.error or f"process {child.index} {_ended(code)} before it served")
+                ended = late or f"{_ended(code)} before it served"
+                self._fail(child.error or f"process {child.index} {ended}")
                 return
-            if trio.current_time() - began > HEALTHY_AFTER:
+            if child.served_at is not None and trio.current_time() - child.served_at > HEALTHY_AFTER:
                 backoff = FIRST_BACKOFF
-            why = child.error or _ended(code)
+            why = child.error or late or _ended(code)
             print(
                 f"proxyblocks: process {child.index} (pid {child.pid}) {why}; starting it again in {backoff:g}s",
                 file=sys.stderr,
@@ -253,16 +289,20 @@ class Supervisor:
         finally:
             theirs.close()
         child.process, child.pid, child.admin, child.error = process, process.pid, None, None
+        child.served_at, child.late = None, False
         child.starts += 1
         if self.stopping:  # (it was being started as the drain began: it drains too)
             process.send_signal(signal.SIGTERM)
         link = trio.socket.from_stdlib_socket(ours)
         try:
-            buffer = b""
-            while data := await link.recv(65536):
-                *lines, buffer = (buffer + data).split(b"\n")
-                for line in lines:
-                    self._heard(child, line)
+            async with trio.open_nursery() as watching:
+                watching.start_soon(self._watch_start, child, process)
+                buffer = b""
+                while data := await link.recv(65536):
+                    *lines, buffer = (buffer + data).split(b"\n")
+                    for line in lines:
+                        self._heard(child, line)
+                watching.cancel_scope.cancel()
             return await process.wait()
         finally:
             link.close()
@@ -275,6 +315,14 @@ class Supervisor:
                 child._reloads[0].send_nowait(f"process {child.index} exited during the reload")
             self._notify()
 
+    async def _watch_start(self, child: Child, process: trio.Process) -> None:
+        """Kill ``process`` (this start of ``child``) if it has not served within the start timeout."""
+        with trio.move_on_after(self.start_timeout):
+            await self.wait_for(lambda: child.served_at is not None)
+            return
+        child.late = True
+        process.kill()
+
     def _heard(self, child: Child, line: bytes) -> None:
         try:
             message = json.loads(line)
@@ -283,7 +331,7 @@ class Supervisor:
         if not isinstance(message, dict):
             return
         if "started" in message:
-            child.serving, child.admin = True, message.get("admin")
+            child.serving, child.admin, child.served_at = True, message.get("admin"), trio.current_time()
             if self.started:
                 print(f"process {child.index} serving again: pid {child.pid}", flush=True)
                 print(f"processes: {self.pids()} (sharing {self.host}:{self.port})", flush=True)

@@ -57,11 +57,20 @@ class Operations:
     access_log_hops: frozenset[str] | None = None
     processes: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     """How many processes serve the command's port (``--processes N``): with more than one, each
-    binds it with ``SO_REUSEPORT`` and takes ``1/N`` of the fair scheduler's budget and caps."""
+    binds it with ``SO_REUSEPORT`` and takes its share of the fair scheduler's budget and caps
+    (:meth:`~blocks.scheduler.SchedulerConfig.split` by :attr:`process`: together, what one took)."""
+    start_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    """With more than one process (``--start-timeout``): seconds each of them gets to serve once
+    started; one that has not is killed (before all first served, that ends the command, exit 2)."""
     process: int | None = None
     """This process's index among them (0 to ``processes - 1``) when a supervising parent started it
     (:func:`run_until_signal`); its admin listener is then on a private loopback port, which the
     parent's merges."""
+
+    def process_flags(self) -> list[str]:
+        """``--processes N --start-timeout S`` as this says: what a command passes on to a command
+        it starts, so that one runs as many processes (the fleet recipe's proxies)."""
+        return ["--processes", str(self.processes), "--start-timeout", f"{self.start_timeout:g}"]
 
 
 @attrs.frozen
@@ -86,7 +95,13 @@ def _supervised() -> _Supervised | None:
     if len(words) != 3 or not all(word.isdigit() for word in words):
         return None
     index, count, fd = map(int, words)
-    return _Supervised(index, count, fd) if index < count else None
+    if index >= count:
+        return None
+    try:  # (inherited to be had here: a process this one starts must not hold the link open)
+        os.set_inheritable(fd, False)
+    except OSError:  # no such descriptor: no parent to report to
+        return None
+    return _Supervised(index, count, fd)
 
 
 def _report(slot: _Supervised, **message: object) -> None:
@@ -151,7 +166,7 @@ class CommandParser(argparse.ArgumentParser):
 
     def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
         """The flags of a command that listens: ``--host``, ``--port``, ``--grace``,
-        ``--processes`` (:meth:`add_processes_flag`) and, with
+        ``--processes`` and ``--start-timeout`` (:meth:`add_processes_flag`) and, with
         ``tls``, ``--tls`` (a self-signed certificate), ``--cert FILE`` and ``--key FILE``
         (which go together: one without the other is an error)."""
         self.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
@@ -165,13 +180,21 @@ class CommandParser(argparse.ArgumentParser):
 
     def add_processes_flag(self) -> None:
         """``--processes N``: N processes share the port, under a supervising parent
-        (:attr:`Operations.processes`; give the namespace's ``operations`` to :func:`run_until_signal`)."""
+        (:attr:`Operations.processes`; give the namespace's ``operations`` to :func:`run_until_signal`),
+        and ``--start-timeout S``, the seconds each gets to serve (:attr:`Operations.start_timeout`)."""
         self.add_argument(
             "--processes",
             type=at_least(1, most=256),
             default=1,
             metavar="N",
             help="processes sharing the port (SO_REUSEPORT) under a supervising parent",
+        )
+        self.add_argument(
+            "--start-timeout",
+            type=between(0.001),
+            default=60.0,
+            metavar="S",
+            help="seconds each process of --processes N gets to serve once started, or it is killed",
         )
 
     def error(self, message: str) -> NoReturn:
@@ -204,11 +227,13 @@ class CommandParser(argparse.ArgumentParser):
             access_log=parsed.access_log,
             access_log_hops=parsed.access_log_hops,
             processes=getattr(parsed, "processes", 1),
+            start_timeout=getattr(parsed, "start_timeout", 60.0),
             process=None if slot is None else slot.index,
         )
         del parsed.admin_port, parsed.access_log, parsed.access_log_hops  # (log_level stays: a process may use it)
-        if hasattr(parsed, "processes"):
-            del parsed.processes
+        for name in ("processes", "start_timeout"):
+            if hasattr(parsed, name):
+                delattr(parsed, name)
         return parsed
 
     def reparse(self, args: Sequence[str] | None = None) -> argparse.Namespace:
@@ -432,14 +457,19 @@ async def _reload(reload: Callable[[], Awaitable[None]], lock: trio.Lock, slot: 
                 print("reloaded", flush=True)
 
 
+_PARENT_GONE = 0
+"""What :func:`_parent_gone` puts among the signals: not a signal (none is numbered 0)."""
+
+
 async def _parent_gone(slot: _Supervised, stop: trio.MemorySendChannel[int]) -> None:
     """A supervised process's watch on its link: end-of-file (the parent is gone, even killed) drains
-    this process as SIGTERM would, so that no process outlives its parent for long."""
+    this process as SIGTERM would, so that no process outlives its parent for long; it is not a
+    signal, so it never counts as the second one (a parent killed while its children drain)."""
     link = trio.socket.fromfd(slot.fd, trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     with link:
         while await link.recv(4096):
             pass
-    await stop.send(signal.SIGTERM)
+    await stop.send(_PARENT_GONE)
 
 
 async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slot: _Supervised | None = None) -> int:
@@ -464,13 +494,19 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
                 await start(task_status=task_status)
                 nursery.cancel_scope.cancel()  # it ended: stop waiting for a signal
 
+            signalled = False  # a SIGINT or SIGTERM came (the parent's end drains too, but is no signal)
+
             async def second() -> None:
-                nonlocal code
+                nonlocal code, signalled
                 async for signum in signals:
-                    if signum != signal.SIGHUP:
-                        say("stopping now")
-                        code = 128 + signum
-                        nursery.cancel_scope.cancel()
+                    if signum in (signal.SIGHUP, _PARENT_GONE):
+                        continue
+                    if not signalled:  # the first signal: the parent's end began the drain
+                        signalled = True
+                        continue
+                    say("stopping now")
+                    code = 128 + signum
+                    nursery.cancel_scope.cancel()
 
             if slot is not None:
                 nursery.start_soon(_parent_gone, slot, send.clone())
@@ -488,6 +524,7 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
             reloads = trio.Lock()
             async for signum in signals:
                 if signum != signal.SIGHUP:
+                    signalled = signum != _PARENT_GONE
                     break
                 if reload is not None:
                     nursery.start_soon(_reload, reload, reloads, slot)

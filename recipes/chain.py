@@ -57,7 +57,7 @@ from typing import Any
 
 import trio
 
-from blocks import Chain, EtcdSource, LocalReplica, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
+from blocks import Chain, EtcdSource, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
 from blocks.command import CommandParser, Operations, at_least, run_until_signal, seconds
 from blocks.routing import Address
 from blocks.topology import LOOPBACK, App, hop_from_url, hop_options, proxy_sections, replica_from_url, replica_url
@@ -107,11 +107,10 @@ async def main(
 
     async def build(chain: Chain) -> None:
         chain.front = "edge" if role == "chain" else role  # (where the access log goes, unless told)
-        local: dict[str, LocalReplica] = {}
+        demo = range(replicas if role == "chain" and not replica_urls else 0)  # (none behind your --replica)
+        local = {f"replica-{i}": await chain.start_replica(f"replica-{i}", protocol=replica_protocol) for i in demo}
         worker = next_hop
         if role in ("chain", "worker"):
-            for name in [f"replica-{i}" for i in range(replicas)] if role == "chain" and not replica_urls else []:
-                local[name] = await chain.start_replica(name, protocol=replica_protocol)
             upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
             server, _ = await chain.start_worker(local, app=None, upstream=upstream, **hops["worker"])
             worker = (host, server.port)

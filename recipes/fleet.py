@@ -29,10 +29,14 @@ It prints the etcd URL, its own PID (FLEET_PID), and each proxy's URL and PID. P
     kill -9 $(pgrep -P FLEET_PID -x etcd)      # "etcd at ... exited (killed by SIGKILL)", then "is back"
 
 With ``--processes N``, each proxy is N processes sharing its port (SO_REUSEPORT), under a
-supervising parent (docs/scale.md); each follows etcd on its own.
+supervising parent (docs/scale.md); each follows etcd on its own and prints its own ``proxy a
+listening on ... pid PID`` line, so ``kill -9 PID_A`` kills one of proxy a's processes, not the
+proxy: its parent says so on stderr (``proxyblocks: process 0 (pid PID_A) was killed by SIGKILL;
+starting it again in 0.1s``) and starts it again (``[a] process 0 serving again: pid NEW``), and
+a's other processes serve its port meanwhile.
 
 Ctrl-C (or SIGTERM) stops the proxies (each drains), then the rest; a second
-Ctrl-C stops at once. ``--role proxy`` is how this script starts each proxy
+Ctrl-C stops at once. ``--proxy NAME`` is how this script starts each proxy
 process; it is not meant to be run by hand (though it can be, pointed at any
 etcd holding routes).
 """
@@ -40,10 +44,10 @@ etcd holding routes).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
-from typing import Any, NamedTuple
+from functools import partial
+from typing import NamedTuple
 
 import attrs
 import trio
@@ -82,11 +86,13 @@ class Fleet:
         await self.chain.shutdown(1.0)
 
 
-async def serve_fleet_proxy(etcd: str, name: str, port: int, tick: float, ops: Operations, *, task_status: Any) -> None:
-    """One proxy of the fleet (what ``--role proxy`` runs): routes from a cache that follows etcd."""
+async def serve_fleet_proxy(
+    etcd: str, name: str, port: int, tick: float | None, ops: Operations, *, task_status: trio.TaskStatus[Chain]
+) -> None:
+    """One proxy of the fleet (what ``--proxy NAME`` runs): routes from a cache that follows etcd."""
 
-    async def build(chain: Chain) -> None:
-        server, _ = await chain.start_proxy(source=EtcdSource(etcd, progress_interval=tick), port=port)
+    async def build(chain: Chain) -> None:  # (etcd's progress notices every tick s; by default, etcd's 600)
+        server, _ = await chain.start_proxy(source=EtcdSource(etcd, progress_interval=tick or 600.0), port=port)
         print(f"proxy {name} listening on {server.scheme}://{chain.host}:{server.port} pid {os.getpid()}", flush=True)
 
     await serve_chain(build, operations=ops, task_status=task_status)
@@ -108,20 +114,20 @@ async def main(
 
     async def build(chain: Chain) -> None:
         nonlocal etcd
-        etcd = etcd or await chain.start(functools.partial(serve_etcd, progress_interval=interval))
+        etcd = etcd or await chain.start(partial(serve_etcd, progress_interval=interval))
         local = {f"replica-{i}": await chain.start_replica(f"replica-{i}") for i in range(replicas)}
         worker, _ = await chain.start_worker(local, app=None)  # the routes go to etcd, not to a proxy
         records = route_records("demo", local, worker=(chain.host, worker.port), domains=["demo.example"])
         for key, value in records.items():
             await EtcdSource(etcd).put(key, value)
         for name in "abcdefghijklmnopqrstuvwxyz"[:proxies]:
-            command = [sys.executable, "-m", "recipes.fleet", "--role", "proxy", "--name", name, "--etcd", etcd]
-            command += ["--progress-interval", str(interval), "--processes", str(getattr(operations, "processes", 1))]
+            command = [sys.executable, "-m", "recipes.fleet", "--proxy", name, "--etcd", etcd]
+            command += ["--progress-interval", str(interval), *(operations or Operations()).process_flags()]
             process, line = await chain.start(run_child_process, command, f"proxy {name} listening on ", name)
             started.append(ProxyProcess(name, line.split()[4], process))
 
     async with trio.open_nursery() as nursery:
-        chain: Chain = await nursery.start(functools.partial(serve_chain, build, operations=operations))
+        chain: Chain = await nursery.start(partial(serve_chain, build, operations=operations))
         assert etcd is not None
         if announce:
             print(f"etcd at {etcd} (python -m blocks.routectl --etcd {etcd} list), fleet pid {os.getpid()}", flush=True)
@@ -136,20 +142,18 @@ def run() -> None:
     parser.add_argument("--proxies", type=at_least(1, most=26), default=2, help="proxy processes")
     parser.add_argument("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
     parser.add_argument("--grace", type=seconds, default=5.0, help="seconds requests in flight get on shutdown")
-    parser.add_argument("--role", choices=("fleet", "proxy"), default="fleet", help=argparse.SUPPRESS)
-    parser.add_argument("--name", default="proxy", help=argparse.SUPPRESS)
+    parser.add_argument("--proxy", metavar="NAME", help=argparse.SUPPRESS)  # (be one proxy, as main starts each)
     parser.add_argument("--port", type=port_number, default=0, help=argparse.SUPPRESS)
     parser.add_processes_flag()  # (per proxy: each is a supervising parent of N processes)
     args = parser.parse_args()
-    if args.role == "proxy" and args.etcd is None:
-        parser.error("--role proxy needs --etcd URL")
-    start = functools.partial(main, etcd=args.etcd, proxies=args.proxies, replicas=args.replicas)
-    start = functools.partial(start, progress_interval=args.progress_interval, operations=args.operations)
-    if args.role == "proxy":  # one proxy, as main starts each
-        configure_logging(args.log_level, prefix=f"proxy {args.name}: ")  # (its route source's lost and back)
-        every = args.progress_interval or 600.0
-        start = functools.partial(serve_fleet_proxy, args.etcd, args.name, args.port, every, args.operations)
-    proxy = args.operations if args.role == "proxy" else None  # (--processes: N per proxy, not N fleets)
+    if args.proxy is not None and args.etcd is None:
+        parser.error("--proxy needs --etcd URL")
+    start = partial(main, etcd=args.etcd, proxies=args.proxies, replicas=args.replicas)
+    start = partial(start, progress_interval=args.progress_interval, operations=args.operations)
+    if args.proxy is not None:  # one proxy, as main starts each
+        configure_logging(args.log_level, prefix=f"proxy {args.proxy}: ")  # (its route source's lost and back)
+        start = partial(serve_fleet_proxy, args.etcd, args.proxy, args.port, args.progress_interval, args.operations)
+    proxy = args.operations if args.proxy is not None else None  # (--processes: N per proxy, not N fleets)
     run_until_signal(start, grace=args.grace, operations=proxy, listen=("127.0.0.1", args.port))
 
 

@@ -9,6 +9,7 @@ the state it asserts.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import io
 import json
@@ -373,6 +374,65 @@ async def test_a_full_buffer_drops_the_lines_past_it_and_writes_the_rest_at_the_
     # Leaving the block wrote what was buffered.
     assert len(buffer.getvalue().splitlines()) == 3
     assert access_log.statistics().written == 3
+
+
+async def test_writers_sharing_a_pipe_never_tear_each_others_lines() -> None:
+    """Two access logs (as two processes of ``--processes 2 --access-log -`` are) write big batches
+    to one pipe at once, each from its thread, many times what the pipe holds (read from once both
+    write): every line arrives whole. (One write of a whole batch stops wherever the pipe fills, and
+    the other writer's bytes get in there.)"""
+    long_path = "/" + "p" * 1500  # (a line of about 1.9 KB: two to a run)
+    with trio.fail_after(60):
+        async with open_access_log(io.BytesIO(), interval=3600) as access_log:
+
+            async def build(chain: Chain) -> None:
+                local = {"replica-0": await chain.start_replica("replica-0", serve_echo)}
+                await chain.start_worker(local)
+                await chain.start_proxy()
+                await chain.start_edge(features=[access_log])
+
+            async with trio.open_nursery() as nursery:
+                chain: Chain = await nursery.start(serve_chain, build)
+                async with h2_client() as client:
+                    assert (await client.get(chain.url + long_path)).status_code == 200
+                await wait_for(lambda: access_log.statistics().buffered == 1, lambda: repr(access_log))
+                records = access_log._take() * 400  # (the same real record: a batch of about 760 KB)
+                chain.cancel()
+        reader, writer = os.pipe()
+        fcntl.fcntl(writer, fcntl.F_SETPIPE_SZ, 4096)  # (the least it holds: a big write stops and goes on often)
+        ends = [_Pipe(os.dup(writer), "wb") for _ in range(2)]
+        os.close(writer)
+        received = bytearray()
+
+        def read_all() -> None:
+            while chunk := os.read(reader, 65536):
+                received.extend(chunk)
+
+        async def write(end: _Pipe) -> None:
+            with end:  # (the last one closed, the reader sees the end)
+                await trio.to_thread.run_sync(AccessLog()._write, end, records, abandon_on_cancel=True)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for end in ends:
+                    nursery.start_soon(write, end)
+                await wait_for(lambda: all(end.writing for end in ends), lambda: "the writers are formatting")
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync, read_all, abandon_on_cancel=True))
+        finally:
+            os.close(reader)
+    lines = received.decode().splitlines()
+    assert len(lines) == 800
+    assert all(json.loads(line)["path"] == long_path for line in lines)
+
+
+class _Pipe(io.FileIO):
+    """A pipe's end, which says when a writer first wrote to it (its lines formatted)."""
+
+    writing = False
+
+    def write(self, data: Any, /) -> int:
+        self.writing = True
+        return super().write(data)
 
 
 # -- warnings, once per change of state ------------------------------------------------------------

@@ -310,13 +310,13 @@ def test_the_recipes_are_found() -> None:
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
-def test_a_recipe_is_at_most_120_lines_without_its_docstring(path: Path) -> None:
+def test_a_recipe_is_under_120_lines_without_its_docstring(path: Path) -> None:
     tree = ast.parse(path.read_text(), str(path))
     docstring = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
     assert docstring is not None and isinstance(ast.get_docstring(tree), str), f"{path.name} has no docstring"
     assert docstring.end_lineno is not None
     lines = len(path.read_text().splitlines()) - (docstring.end_lineno - docstring.lineno + 1)
-    assert lines <= MAX_RECIPE_LINES, f"{path.name}: {lines} lines without its docstring"
+    assert lines < MAX_RECIPE_LINES, f"{path.name}: {lines} lines without its docstring (STYLE.md: under 120)"
 
 
 def _third_party_or_stdlib(module: str) -> bool:

@@ -7,7 +7,12 @@ formatting, no I/O and no await on the request path. The service-lifetime
 task of :func:`open_access_log` takes the buffer every ``interval`` seconds
 and hands it to a worker thread (``trio.to_thread.run_sync``), which turns
 each record into a JSON line and writes them in one go, so a slow disk or a
-stalled pipe never blocks the event loop.
+stalled pipe never blocks the event loop. To anything but a regular file (a
+pipe: standard output under a supervisor, or ``| tee``), it writes them in
+runs of whole lines of at most ``PIPE_BUF`` (4096) bytes each, a size the
+kernel writes to a pipe whole, so that the lines of several processes
+sharing the pipe (``--processes N``) never tear each other; a single line
+longer than that goes alone, and may.
 
 The invariant: a request never fails, waits or slows down because of its
 log line. When the buffer holds ``capacity`` records, a new one is dropped;
@@ -38,6 +43,7 @@ import datetime
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -192,16 +198,21 @@ class AccessLog(Feature):
                 log.exception("access log: a record could not be formatted")
         if not lines:
             return
+        runs = _runs(lines, PIPE_BUF) if _shared_pipe(file) else [("".join(lines).encode(), len(lines))]
+        written = 0
         try:
-            data = memoryview("".join(lines).encode())
-            while data:
-                n = file.write(data)  # an unbuffered file may take part of it
-                if n is None:  # a non-blocking file that would block
-                    raise BlockingIOError("the file would block")
-                data = data[n:]
+            for run, count in runs:
+                data = memoryview(run)
+                while data:
+                    n = file.write(data)  # an unbuffered file may take part of it
+                    if n is None:  # a non-blocking file that would block
+                        raise BlockingIOError("the file would block")
+                    data = data[n:]
+                written += count
             file.flush()
         except (OSError, ValueError) as exc:  # ValueError: the file was closed under us
-            self._lost += len(lines)
+            self._written += written
+            self._lost += len(lines) - written
             if not self._failing:
                 self._failing = True
                 log.warning("access log: writing failed (%s); dropping lines until it works again", exc)
@@ -275,6 +286,37 @@ class AccessLog(Feature):
             "phases": phases,
         }
         return json.dumps(entry, separators=(",", ":")) + "\n"
+
+
+PIPE_BUF = 4096
+"""The most bytes POSIX has a write to a pipe put in whole, never mixed with another writer's (Linux: 4096)."""
+
+
+def _shared_pipe(file: IO[bytes]) -> bool:
+    """Whether ``file`` may be a pipe other processes write to: it is not a regular file (where
+    ``O_APPEND`` keeps each write whole, whatever its size) nor a file object without a descriptor."""
+    try:
+        return not stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+    except (OSError, ValueError):  # (io.UnsupportedOperation is both: a BytesIO)
+        return False
+
+
+def _runs(lines: list[str], most: int) -> list[tuple[bytes, int]]:
+    """``lines`` encoded and joined into runs of whole lines of at most ``most`` bytes each (a
+    longer line is a run of its own): ``(bytes, how many lines)``."""
+    runs: list[tuple[bytes, int]] = []
+    run: list[bytes] = []
+    size = 0
+    for line in lines:
+        data = line.encode()
+        if run and size + len(data) > most:
+            runs.append((b"".join(run), len(run)))
+            run, size = [], 0
+        run.append(data)
+        size += len(data)
+    if run:
+        runs.append((b"".join(run), len(run)))
+    return runs
 
 
 def _report(value: bytes) -> tuple[str | None, str | None, str | None]:

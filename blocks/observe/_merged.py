@@ -8,7 +8,10 @@ operators' path, never a request's. ``/metrics`` is every child's samples
 with a ``process="INDEX"`` label added, so that ``sum without(process)``
 gives what one process would have counted, plus ``proxyblocks_process_up``
 per child; ``/status.json`` lists each child's document; ``/healthz`` and
-``/readyz`` are 200 only when every child answers 200.
+``/readyz`` are 200 only when every child answers 200. A child whose answer
+does not parse (Prometheus text that ``prometheus_client`` rejects, bytes
+that are not UTF-8, a document that is not strict JSON) is taken as one
+that did not answer: the others' data is merged as ever.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import h11
@@ -69,12 +72,14 @@ async def fetch(port: int, path: str, *, timeout: float = 5.0) -> tuple[int, byt
 
 def merge_metrics(texts: Sequence[tuple[int, str | None]]) -> list[Metric]:
     """Families of every ``(index, Prometheus text or None)``, each sample labelled ``process="INDEX"``,
-    families of one name merged, and ``proxyblocks_process_up`` (1 for a text, 0 for None)."""
+    families of one name merged, and ``proxyblocks_process_up`` (1 for a text, 0 for None or for a
+    text that does not parse: that process is left out, as if it had not answered)."""
     families: dict[str, Metric] = {}
     up = GaugeMetricFamily("proxyblocks_process_up", "1 if the process answered this scrape", labels=["process"])
     for index, text in texts:
-        up.add_metric([str(index)], 0.0 if text is None else 1.0)
-        for family in text_string_to_metric_families(text or ""):
+        parsed = _parsed(text)
+        up.add_metric([str(index)], 0.0 if parsed is None else 1.0)
+        for family in parsed or ():
             merged = families.get(family.name)
             if merged is None:
                 merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
@@ -82,6 +87,41 @@ def merge_metrics(texts: Sequence[tuple[int, str | None]]) -> list[Metric]:
                 sample._replace(labels={**sample.labels, "process": str(index)}) for sample in family.samples
             ]
     return [*families.values(), up]
+
+
+def _parsed(text: str | None) -> list[Metric] | None:
+    """The families of one process's Prometheus text, or None if there is none or it does not parse."""
+    if text is None:
+        return None
+    try:
+        return list(text_string_to_metric_families(text))  # (a generator: parsed here, all of it)
+    except ValueError:
+        return None
+
+
+def _text(status: int, body: bytes | None) -> str | None:
+    """A 200 answer's body as text, or None (no answer, another status, not UTF-8)."""
+    if status != 200 or body is None:
+        return None
+    try:
+        return body.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _document(status: int, body: bytes | None) -> object:
+    """A 200 answer's body as strict JSON (no NaN, no Infinity), or None (no answer, another status,
+    not JSON): what goes in ``/status.json`` as that process's ``status``."""
+    if status != 200 or body is None:
+        return None
+    try:
+        return json.loads(body, parse_constant=_not_json)
+    except (ValueError, RecursionError):  # (RecursionError: nested deeper than the parser goes)
+        return None
+
+
+def _not_json(constant: str) -> NoReturn:
+    raise ValueError(f"{constant} is not JSON")
 
 
 class _Merged:
@@ -114,9 +154,7 @@ class _Merged:
             return text_response(405, "the admin listener answers GET only\n", [(b"allow", b"GET, HEAD")])
         if path == b"/metrics":
             answers = await self.gather("/metrics")
-            texts = [
-                (p.index, body.decode() if status == 200 and body is not None else None) for p, status, body in answers
-            ]
+            texts = [(p.index, _text(status, body)) for p, status, body in answers]
             registry = CollectorRegistry(auto_describe=False)
             registry.register(_Families(merge_metrics(texts)))
             rendered = generate_latest(registry)
@@ -138,7 +176,7 @@ class _Merged:
             answers = await self.gather("/status.json")
             rows: list[dict[str, Any]] = []
             for process, status, body in answers:
-                own = json.loads(body) if status == 200 and body is not None else None
+                own = _document(status, body)
                 rows.append(
                     {
                         "process": process.index,
@@ -186,7 +224,8 @@ async def serve_merged_admin(
     ``/status.json``: ``{"time", "draining", "processes": [{"process",
     "pid", "serving", "admin", "status"}]}``, ``status`` being that process's
     own document (null if it did not answer); ``/``: where each process's
-    admin page is. Reports its :class:`HTTPServer`; runs until cancelled.
+    admin page is. An answer that does not parse counts as no answer (up 0,
+    status null). Reports its :class:`HTTPServer`; runs until cancelled.
     """
     merged = _Merged(processes, timeout)
     await serve_http(merged.handle, host=host, port=port, config=ADMIN_LISTENER, task_status=task_status)

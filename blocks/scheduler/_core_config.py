@@ -90,33 +90,42 @@ class SchedulerConfig:
         """The policy that applies to ``tenant``."""
         return self.tenants.get(tenant, self.default_policy)
 
-    def split(self, processes: int) -> SchedulerConfig:
-        """This config's share for one of ``processes`` processes serving the same port
-        (``--processes N``), so that together they admit what one process did.
+    def split(self, processes: int, index: int) -> SchedulerConfig:
+        """Process ``index``'s share of this config, one of ``processes`` processes serving the same
+        port (``--processes N``), so that together they admit what one process did.
 
-        The budget and every policy's ``max_in_flight`` and ``max_queued`` are
-        divided by ``processes`` (rounded down, at least 1; a ``max_queued``
-        of 0, never wait, stays 0; no ``max_in_flight`` stays none). Weights,
-        timeouts and priorities are kept. ``split(1)`` is this config.
+        The budget and every policy's ``max_in_flight`` and ``max_queued``
+        are divided among the processes: each gets ``cap // processes``, and
+        the first ``cap % processes`` of them one more, so the shares add up
+        to ``cap`` (5 over 2: 3 and 2). A share is at least 1, so with more
+        processes than a cap they admit one each (``processes`` in all); a
+        ``max_queued`` of 0 (never wait) stays 0, and no ``max_in_flight``
+        stays none. Weights, timeouts and priorities are kept.
+        ``split(1, 0)`` is this config.
         """
         if processes < 1:
             raise ValueError(f"processes must be at least 1, not {processes}")
+        if not 0 <= index < processes:
+            raise ValueError(f"index must be from 0 to {processes - 1}, not {index}")
         if processes == 1:
             return self
 
-        def share(policy: TenantPolicy) -> TenantPolicy:
+        def share(cap: int) -> int:
+            return max(1, cap // processes + (index < cap % processes))
+
+        def policy_share(policy: TenantPolicy) -> TenantPolicy:
             cap = policy.max_in_flight
             return attrs.evolve(
                 policy,
-                max_in_flight=None if cap is None else max(1, cap // processes),
-                max_queued=policy.max_queued and max(1, policy.max_queued // processes),
+                max_in_flight=None if cap is None else share(cap),
+                max_queued=policy.max_queued and share(policy.max_queued),
             )
 
         return attrs.evolve(
             self,
-            budget=max(1, self.budget // processes),
-            default_policy=share(self.default_policy),
-            tenants={name: share(policy) for name, policy in self.tenants.items()},
+            budget=share(self.budget),
+            default_policy=policy_share(self.default_policy),
+            tenants={name: policy_share(policy) for name, policy in self.tenants.items()},
         )
 
 

@@ -254,8 +254,8 @@ class Chain:
         """
         await self._nursery.start(reconcile, source or self.store, self.cache)
         options = self._shared(await self._observed("proxy", options), options.get("port", 0), INTERNAL_LISTENER)
-        if self.operations.processes > 1 and options.get("scheduler") is not None:
-            options["scheduler"] = options["scheduler"].split(self.operations.processes)  # 1/N each
+        if self.operations.processes > 1 and options.get("scheduler") is not None:  # this process's share
+            options["scheduler"] = options["scheduler"].split(self.operations.processes, self.operations.process or 0)
         serve = functools.partial(serve_proxy, self.cache, host=self.host, **options)
         self._proxy = await self._nursery.start(serve)
         return self._proxy
