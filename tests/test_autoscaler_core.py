@@ -19,9 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks.autoscaler import AutoscalePolicy, Decision, ScalingConfig
+from blocks.autoscaler import AutoscalePolicy, Decision, Phase, ScalingConfig
 
 APP = "llm"
+PHASES: tuple[Phase, ...] = ("starting", "ready", "draining")
 
 
 def policy(**config: object) -> AutoscalePolicy:
@@ -70,6 +71,8 @@ def ready(p: AutoscalePolicy) -> int:
         ({"target_concurrency": 1, "hysteresis": 1}, "hysteresis"),
         ({"target_concurrency": 1, "idle_timeout": 0}, "idle_timeout"),
         ({"target_concurrency": 1, "unit": "bytes"}, "unit"),
+        ({"target_concurrency": 1, "scale_up_factor": 0.5}, "scale_up_factor"),
+        ({"target_concurrency": 1, "scale_up_step": 0}, "scale_up_step"),
     ],
 )
 def test_a_bad_scaling_config_says_which_field(config: dict[str, object], message: str) -> None:
@@ -83,6 +86,29 @@ def test_a_policy_needs_an_app_and_knows_only_its_own() -> None:
     with pytest.raises(KeyError):
         policy().decide("other", 0.0)
     policy().touch("other", 0.0)  # a request path call never raises for an app it does not scale
+    with pytest.raises(ValueError, match="no default"):
+        policy().add("other")
+
+
+def test_a_policy_with_a_default_takes_on_an_app_at_its_first_mention() -> None:
+    """A trace names apps as it goes: with ``default``, the first mention of one adds it."""
+    default = ScalingConfig(target_concurrency=2, up_window=1, down_window=5)
+    p = AutoscalePolicy(default=default)
+    assert p.apps == []
+    assert p.request("chat", 0.0) == "start"
+    assert p.decide("chat", 0.0) == Decision("chat", 1, 1, (), "cold start")
+    p.starting("chat", "chat-0", 0.0)
+    p.record("new", 3, 0.5)  # a figure for an app not seen yet
+    assert p.apps == ["chat", "new"] and p.config("new") is default
+    assert p.signal.config_for("new").target_concurrency == 2
+    p.add("own", ScalingConfig(target_concurrency=9))
+    assert p.config("own").target_concurrency == 9
+    with pytest.raises(ValueError, match="scaled already"):
+        p.add("own")
+    p.touch("never", 0.6)  # the request path adds no app
+    assert "never" not in p.apps
+    mixed = AutoscalePolicy({APP: ScalingConfig(target_concurrency=4)}, default=default)  # the old form, and more
+    assert mixed.config(APP).target_concurrency == 4 and mixed.config("x") is default
 
 
 def test_the_signal_has_the_apps_target_and_windows() -> None:
@@ -212,6 +238,45 @@ def test_a_replica_that_dies_is_replaced() -> None:
     assert (decision.replicas, decision.start, decision.reason) == (2, 1, "replace")
 
 
+def test_a_backlog_scales_up_at_most_double_or_four_more_per_up_window() -> None:
+    """A burst of 4,000 in flight (a backlog queued inside the replicas after a cold start) at a
+    target of 4 asks for 1,000 replicas; the scale-up rate lets the count grow by steps, each
+    looking at the load again, and it stops growing once the backlog is gone."""
+    p = policy(max_replicas=2000, up_window=1.0, down_window=100.0)
+    fleet = Fleet(p)
+    p.request(APP, 0.0)
+    assert fleet.step(0.0).replicas == 1
+    counts = []
+    for t in range(1, 6):
+        p.record(APP, 4000, float(t))
+        counts.append(fleet.step(float(t)).replicas)
+    assert counts == [5, 10, 20, 40, 80]  # +4 while 4 is more than doubling, then doubling
+    for t in range(6, 9):
+        p.record(APP, 100, float(t))  # the backlog is served: 100 in flight needs 25
+        counts.append(fleet.step(float(t)).replicas)
+    # (the second to 6 still averages the backlog); then no more growth: the demand never ran ahead to 1,000
+    assert counts[5:] == [160, 160, 160]
+    unbounded = policy(max_replicas=2000, scale_up_factor=math.inf)
+    Fleet(unbounded).step(0.0)
+    unbounded.record(APP, 4000, 0.0)
+    unbounded.record(APP, 4000, 1.0)
+    assert unbounded.decide(APP, 1.0).replicas == 1000
+
+
+def test_a_decision_that_drains_nothing_sorts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = policy(min_replicas=3)
+    fleet = Fleet(p)
+    fleet.step(0.0)
+
+    def no_sort(self: AutoscalePolicy, state: object) -> list[str]:
+        raise AssertionError("sorted the fleet for a decision that drains nothing")
+
+    monkeypatch.setattr(AutoscalePolicy, "_drain_order", no_sort)
+    for t in range(1, 20):
+        p.record(APP, 5, float(t))
+        assert fleet.step(float(t)).drain == ()
+
+
 # -- which to drain -------------------------------------------------------------------------
 
 
@@ -271,6 +336,16 @@ steps = st.lists(
 )
 
 
+def wanted_as_of(history: list[tuple[float, int]], when: float) -> int:
+    """The wanted count in force at ``when``: the last decision's at or before it (0 before any)."""
+    count = 0
+    for t, replicas in history:
+        if t > when:
+            break
+        count = replicas
+    return count
+
+
 @settings(max_examples=300, deadline=None)
 @given(configs, steps)
 def test_property_within_bounds_and_no_flapping(config: ScalingConfig, ops: list[tuple[float, str, int]]) -> None:
@@ -279,6 +354,7 @@ def test_property_within_bounds_and_no_flapping(config: ScalingConfig, ops: list
     now = 0.0
     wanted = 0
     last_up = -math.inf
+    history: list[tuple[float, int]] = []
     for dt, op, n in ops:
         now += dt
         names = sorted(p.statistics(now).apps[APP].replicas)
@@ -299,9 +375,15 @@ def test_property_within_bounds_and_no_flapping(config: ScalingConfig, ops: list
             last_up = now
         elif decision.replicas < wanted:
             assert now - last_up >= config.down_window - 1e-9, (now, last_up, decision)
+        # the scale-up rate: from what was wanted up_window ago, at most double or four more
+        base = wanted_as_of(history, now - config.up_window)
+        assert decision.replicas <= max(config.min_replicas, config.scale_up_cap(base)), (base, decision)
+        history.append((now, decision.replicas))
         wanted = decision.replicas
         stats = p.statistics(now).apps[APP]
         assert stats.starting + stats.ready == decision.replicas  # the fleet carried it out
+        phases = [r.phase for r in stats.replicas.values()]  # the kept counts agree with a recount
+        assert [stats.starting, stats.ready, stats.draining] == [phases.count(phase) for phase in PHASES]
 
 
 @settings(max_examples=300, deadline=None)

@@ -25,7 +25,13 @@ Per app, an :class:`AutoscalePolicy` keeps three things:
 
   1. *up*: the total in flight averaged over ``up_window``, divided by
      ``target_concurrency`` and rounded up, is above the demand: the demand
-     becomes that;
+     becomes that, but at most the scale-up rate allows: with ``w`` the
+     wanted count as it stood ``up_window`` ago, no more than
+     ``max(ceil(w * scale_up_factor), w + scale_up_step)`` (Kubernetes HPA's
+     scale-up policies: double, or four more, per period). A backlog queued
+     inside the replicas after a cold start counts as in flight; the rate
+     lets the fleet grow by steps, each looking at the load again, instead
+     of jumping to what one averaged burst asks for;
   2. *down*: the samples cover ``down_window``, the last increase of the
      wanted count is at least ``down_window`` old, and the total averaged
      over ``down_window`` is below ``target * (1 - hysteresis)`` per
@@ -47,12 +53,20 @@ then fewest in flight.
 
 Invariants (hypothesis tests check them): a decision's count is never
 below ``min_replicas`` nor above ``max_replicas``; the wanted count never
-goes down within ``down_window`` of going up (no flapping); a replica that
-hosts a session is never drained while one that hosts none stays.
+goes down within ``down_window`` of going up (no flapping); it never grows
+past the scale-up rate of the count ``up_window`` before (but to reach
+``min_replicas``); a replica that hosts a session is never drained while
+one that hosts none stays.
+
+Cost: the fleet's counts by phase are kept as the driver reports changes,
+so a decision that drains nothing costs no scan of the app's replicas (a
+simulator calls it for every app, every tick); the drain order is sorted
+only when something is drained.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -105,6 +119,10 @@ class ScalingConfig:
       ``min_replicas``, its buffer too (scale to zero).
     - ``unit``: ``"requests"`` or ``"sessions"``: what ``target_concurrency``
       and the figures given to :meth:`AutoscalePolicy.record` count.
+    - ``scale_up_factor`` / ``scale_up_step``: the scale-up rate. Within any
+      ``up_window``, the wanted count grows from ``w`` to at most
+      ``max(ceil(w * scale_up_factor), w + scale_up_step)`` (defaults: double,
+      or four more, whichever is larger; ``scale_up_factor=inf`` lifts it).
     """
 
     target_concurrency: float = attrs.field(validator=[attrs.validators.gt(0.0), finite])
@@ -118,6 +136,14 @@ class ScalingConfig:
     unit: Literal["requests", "sessions"] = attrs.field(
         default="requests", validator=attrs.validators.in_(("requests", "sessions"))
     )
+    scale_up_factor: float = attrs.field(default=2.0, validator=attrs.validators.ge(1.0))
+    scale_up_step: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+
+    def scale_up_cap(self, base: int) -> float:
+        """The most replicas an app may want within ``up_window`` of wanting ``base``."""
+        if self.scale_up_factor == math.inf:
+            return math.inf
+        return max(math.ceil(base * self.scale_up_factor), base + self.scale_up_step)
 
     def signal_config(self) -> AutoscaleConfig:
         """The prober's :class:`~blocks.prober.AutoscaleConfig` with the same target and windows."""
@@ -194,25 +220,32 @@ class _Replica:
 class _App:
     config: ScalingConfig
     replicas: dict[str, _Replica] = attrs.field(factory=dict)
+    counts: dict[Phase, int] = attrs.field(factory=lambda: {"starting": 0, "ready": 0, "draining": 0})
     demand: int = 0
     wanted: int = 0
     last_up: float = -math.inf
     last_down: float = -math.inf
     last_busy: float = -math.inf
     cold: bool = False  # a cold start raised the demand since the last decision
+    # the increases of the wanted count within the last up_window: (when, the count before it)
+    ups: collections.deque[tuple[float, int]] = attrs.field(factory=collections.deque)
 
     def count(self, phase: Phase) -> int:
-        return sum(1 for replica in self.replicas.values() if replica.phase == phase)
+        return self.counts[phase]
 
     def active(self) -> int:
         """Starting and ready: what counts against the wanted count."""
-        return sum(1 for replica in self.replicas.values() if replica.phase != "draining")
+        return self.counts["starting"] + self.counts["ready"]
 
 
 class AutoscalePolicy:
     """Per app: how many replicas, which to drain, and what a request for an app with none does.
 
     ``apps`` maps each app this policy scales to its :class:`ScalingConfig`.
+    With ``default``, an app it has not seen (an app a trace names as it
+    goes) is taken on at its first mention, with that config (:meth:`add`
+    takes one on with a config of its own); without, an app it does not
+    scale is a ``KeyError``.
     Feed it the fleet (:meth:`starting`, :meth:`ready`, :meth:`draining`,
     :meth:`gone`, :meth:`load`) and the load (:meth:`record`); ask it
     :meth:`decide` (as often as you like: a decision describes the gap
@@ -231,11 +264,15 @@ class AutoscalePolicy:
         policy.record("llm", in_flight=9, now=1.0) # the prober's figure for the app
     """
 
-    def __init__(self, apps: Mapping[str, ScalingConfig]) -> None:
-        if not apps:
-            raise ValueError("an autoscaler needs at least one app")
+    def __init__(
+        self, apps: Mapping[str, ScalingConfig] | None = None, *, default: ScalingConfig | None = None
+    ) -> None:
+        apps = apps or {}
+        if not apps and default is None:
+            raise ValueError("an autoscaler needs at least one app, or a default config")
+        self.default = default
         self._apps = {app: _App(config) for app, config in apps.items()}
-        first = next(iter(apps.values()))
+        first = default if default is not None else next(iter(apps.values()))
         self.signal = AutoscaleSignal(
             first.signal_config(), apps={app: config.signal_config() for app, config in apps.items()}
         )
@@ -249,16 +286,36 @@ class AutoscalePolicy:
         return list(self._apps)
 
     def config(self, app: str) -> ScalingConfig:
-        return self._apps[app].config
+        return self._app(app).config
+
+    def add(self, app: str, config: ScalingConfig | None = None) -> None:
+        """Scale ``app`` from now on, with ``config`` (or the default). ``ValueError`` if it is known already."""
+        if app in self._apps:
+            raise ValueError(f"app {app!r} is scaled already")
+        config = config or self.default
+        if config is None:
+            raise ValueError(f"app {app!r}: no config given, and the policy has no default")
+        self._apps[app] = _App(config)
+        self.signal.overrides[app] = config.signal_config()
+
+    def _app(self, app: str) -> _App:
+        state = self._apps.get(app)
+        if state is None:
+            if self.default is None:
+                raise KeyError(app)
+            self.add(app)
+            state = self._apps[app]
+        return state
 
     # -- the fleet, as the driver reports it ---------------------------------------------------
 
     def starting(self, app: str, name: str, now: float) -> None:
         """Replica ``name`` of ``app`` was started (its process runs; not in the routes yet)."""
-        state = self._apps[app]
+        state = self._app(app)
         if name in state.replicas:
             raise ValueError(f"replica {name!r} of {app!r} is already known")
         state.replicas[name] = _Replica("starting", now)
+        state.counts["starting"] += 1
 
     def ready(self, app: str, name: str, now: float) -> None:
         """Replica ``name`` answered its health request and is in the routes."""
@@ -270,23 +327,29 @@ class AutoscalePolicy:
 
     def gone(self, app: str, name: str, now: float) -> None:
         """Replica ``name`` is no more: stopped, or it died. Unknown names are ignored."""
-        self._apps[app].replicas.pop(name, None)
+        state = self._app(app)
+        replica = state.replicas.pop(name, None)
+        if replica is not None:
+            state.counts[replica.phase] -= 1
 
     def load(self, app: str, name: str, in_flight: int, sessions: int = 0) -> None:
         """Replica ``name``'s latest figures (what the drain choice reads). Unknown names are ignored."""
         if in_flight < 0 or sessions < 0:
             raise ValueError(f"in_flight ({in_flight!r}) and sessions ({sessions!r}) must not be negative")
-        replica = self._apps[app].replicas.get(name)
+        replica = self._app(app).replicas.get(name)
         if replica is not None:
             replica.in_flight = in_flight
             replica.sessions = sessions
 
     def _move(self, app: str, name: str, phase: Phase, now: float, *, frm: Phase | None) -> None:
-        replica = self._apps[app].replicas.get(name)
+        state = self._app(app)
+        replica = state.replicas.get(name)
         if replica is None:
             raise ValueError(f"replica {name!r} of {app!r} is not known")
         if frm is not None and replica.phase != frm:
             raise ValueError(f"replica {name!r} of {app!r} is {replica.phase}, not {frm}")
+        state.counts[replica.phase] -= 1
+        state.counts[phase] += 1
         replica.phase = phase
         replica.since = now
 
@@ -294,7 +357,7 @@ class AutoscalePolicy:
 
     def record(self, app: str, in_flight: float, now: float) -> None:
         """At ``now``, ``app``'s ready replicas carry ``in_flight`` (requests, or sessions: its ``unit``)."""
-        state = self._apps[app]
+        state = self._app(app)
         self.signal.record(app, in_flight, state.count("ready"), now)
         if in_flight > 0:
             state.last_busy = now
@@ -304,7 +367,8 @@ class AutoscalePolicy:
 
         Sampled in-flight figures miss short requests; whoever routes them
         (the :class:`~blocks.autoscaler.ColdStartGate`) touches the app so that an
-        app serving them is never taken for idle. Unknown apps are ignored.
+        app serving them is never taken for idle. Unknown apps are ignored
+        (even with a default config: the request path does not add apps).
         """
         state = self._apps.get(app)
         if state is not None and now > state.last_busy:
@@ -317,9 +381,9 @@ class AutoscalePolicy:
         one is starting, wait for it; ``"start"``: none is starting either,
         so start one now (the next :meth:`decide` says so). Either way the
         app counts as busy from ``now`` and its demand is at least 1. Raises
-        ``KeyError`` for an app this policy does not scale.
+        ``KeyError`` for an app this policy does not scale (and has no default for).
         """
-        state = self._apps[app]
+        state = self._app(app)
         state.last_busy = max(state.last_busy, now)
         if state.demand < 1:
             state.demand = 1
@@ -334,17 +398,21 @@ class AutoscalePolicy:
 
     def decide(self, app: str, now: float) -> Decision:
         """How many replicas ``app`` should have at ``now``, what to start and what to drain."""
-        state = self._apps[app]
+        state = self._app(app)
         config = state.config
         target = config.target_concurrency
+        ups = state.ups
+        while ups and ups[0][0] <= now - config.up_window:
+            ups.popleft()
+        cap = config.scale_up_cap(ups[0][1] if ups else state.wanted)
         reason = "cold start" if state.cold else "hold"
         state.cold = False
         settled = now - state.last_up >= config.down_window - _EPSILON  # no decrease within the window
         if app in self.signal.apps:
             signal = self.signal.recommend(app, now)
-            up = math.ceil(signal.avg_in_flight / target - _EPSILON)
+            up = min(math.ceil(signal.avg_in_flight / target - _EPSILON), cap)
             if up > state.demand:
-                state.demand, reason = up, "up"
+                state.demand, reason = int(up), "up"
             elif (
                 settled
                 and signal.history >= config.down_window - _EPSILON
@@ -358,8 +426,9 @@ class AutoscalePolicy:
         if idle and state.demand > 0:
             state.demand, reason = 0, "idle"
         buffer = 0 if idle else config.buffer_replicas
-        wanted = max(config.min_replicas, min(config.max_replicas, state.demand + buffer))
+        wanted = int(max(config.min_replicas, min(config.max_replicas, cap, state.demand + buffer)))
         if wanted > state.wanted:
+            ups.append((now, state.wanted))
             state.last_up = now
             if reason == "hold":
                 reason = "up"
@@ -372,8 +441,8 @@ class AutoscalePolicy:
         start = max(0, wanted - active)
         if start and reason == "hold":
             reason = "replace"
-        drain = self._drain_order(state)[: max(0, active - wanted)]
-        return Decision(app, wanted, start, tuple(drain), reason)
+        drain = tuple(self._drain_order(state)[: active - wanted]) if active > wanted else ()
+        return Decision(app, wanted, start, drain, reason)
 
     def _drain_order(self, state: _App) -> list[str]:
         """Starting replicas, newest first; then ready ones: no session first, fewest sessions, fewest in flight."""
