@@ -82,7 +82,9 @@ class DriverConfig:
     - ``drain_timeout``: the most a draining replica is given to finish.
     - ``stop_timeout``: SIGTERM, then SIGKILL after this.
     - ``cold_start_timeout``: how long a request for an app with no replica
-      waits for its first one (see :meth:`Autoscaler.wait_ready`).
+      waits for its first one (see :meth:`Autoscaler.wait_routed`).
+    - ``max_waiting``: how many requests per app may wait for a cold start;
+      past it, a 503 ``cold_start_full`` at once.
     """
 
     interval: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
@@ -92,6 +94,7 @@ class DriverConfig:
     drain_timeout: float = attrs.field(default=30.0, validator=[attrs.validators.ge(0), finite])
     stop_timeout: float = attrs.field(default=5.0, validator=[attrs.validators.ge(0), finite])
     cold_start_timeout: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), finite])
+    max_waiting: int = attrs.field(default=1000, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen
@@ -102,7 +105,11 @@ class AppDriverStatistics:
     ``in_flight``: what the prober last saw on the ready ones; ``waiting``:
     requests waiting for a cold start; ``starts``: processes started;
     ``failed_starts``: that exited or never answered before they were ready;
-    ``restarts``: ready replicas that died and were replaced.
+    ``restarts``: ready replicas that died and were replaced; ``backoff``:
+    the wait after the last failed start (seconds: 0.1 doubling to 10 per
+    failure in a row, 0 once a replica is ready); ``next_start``: the time
+    (``trio.current_time()``) before which none of the app's replicas
+    starts (``-inf``: now).
     """
 
     wanted: int
@@ -114,6 +121,8 @@ class AppDriverStatistics:
     starts: int
     failed_starts: int
     restarts: int
+    backoff: float
+    next_start: float
 
 
 @attrs.frozen
@@ -121,3 +130,5 @@ class DriverStatistics:
     apps: dict[str, AppDriverStatistics]
     processes: dict[str, int]
     """Replica name -> the pid of its process, for every process running now."""
+    pending_deletes: int = 0
+    """Replica records whose delete failed (the store did not answer): tried again every round."""
