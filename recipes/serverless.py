@@ -46,7 +46,7 @@ from blocks.autoscaler import (
     ScalingConfig,
     serve_autoscaler,
 )
-from blocks.command import Operations, at_least, port_number, seconds
+from blocks.command import Operations, at_least, between, port_number, seconds
 
 APP = "demo"
 DEMO = f"{shlex.quote(sys.executable)} -m blocks.testing.replica --port {{port}} --name {{name}}"
@@ -118,7 +118,7 @@ def run() -> None:
     parser.add_argument("--command", default=DEMO, help="a replica's command: {port}, {host}, {name}, {app}")
     parser.add_argument("--protocol", choices=["h1", "h2"], default="h2", help="what the worker speaks to it")
     parser.add_argument("--health-path", default="/", help="a replica is ready once this answers under 500")
-    parser.add_argument("--target", type=seconds, default=4.0, help="requests in flight per replica to aim for")
+    parser.add_argument("--target", type=between(0), default=4.0, help="requests in flight per replica to aim for")
     parser.add_argument("--min-replicas", type=at_least(0), default=0, help="never fewer (0: scale to zero)")
     parser.add_argument("--max-replicas", type=at_least(1), default=5, help="never more")
     parser.add_argument("--buffer", type=at_least(0), default=0, help="spare replicas while in use")

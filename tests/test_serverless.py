@@ -57,19 +57,27 @@ async def test_a_load_ramp_scales_from_zero_to_n_and_back_to_zero_without_a_fail
             assert scaler.statistics().apps["demo"].ready == 0 and not scaler.statistics().processes
 
             statuses: list[int] = []
-            stop = trio.Event()
+            stop, stop_last = trio.Event(), trio.Event()
             async with httpx.AsyncClient(base_url=running.chain.url, trust_env=False, timeout=30) as client:
 
-                async def user() -> None:
-                    while not stop.is_set():
+                async def user(stopped: trio.Event) -> None:
+                    while not stopped.is_set():
                         statuses.append((await client.get("/sleep?ms=200")).status_code)
 
                 async with trio.open_nursery() as users:
-                    for _ in range(8):  # about 8 in flight: 4 replicas at a target of 2
-                        users.start_soon(user)
+                    for _ in range(7):  # about 8 in flight: 4 replicas at a target of 2
+                        users.start_soon(user, stop)
+                    users.start_soon(user, stop_last)
                     while scaler.statistics().apps["demo"].ready < 3:  # steady load: up to N
                         await trio.sleep(0.05)
                     stop.set()
+                    # one user goes on: the policy drains N -> 1 replicas under its requests
+                    while scaler.statistics().apps["demo"].ready + scaler.statistics().apps["demo"].draining > 1:
+                        await trio.sleep(0.05)
+                    low = len(statuses)
+                    while len(statuses) < low + 5:  # the last replica serves on, after the drains
+                        await trio.sleep(0.05)
+                    stop_last.set()
             peak = max(ready)
             while scaler.statistics().apps["demo"].ready or scaler.statistics().processes:  # idle: back to 0
                 await trio.sleep(0.05)
@@ -99,6 +107,7 @@ def test_bad_flags_are_one_line_and_exit_code_2() -> None:
         (["--command", "python3 -m http.server"], "no {port}"),
         (["--command", "no-such-program-here {port}"], "no program 'no-such-program-here'"),
         (["--target", "0"], "target_concurrency"),
+        (["--target", "abc"], "--target: 'abc' is not a number"),
         (["--min-replicas", "3", "--max-replicas", "2"], "max_replicas"),
     ]:
         result = subprocess.run(

@@ -274,7 +274,8 @@ class Feature:
     """
 
     def screen(self, exchange: Exchange) -> None:
-        """Before admission. Refuse (raise), rewrite ``exchange.request.headers``, note, or set ``answer``."""
+        """Before admission. Refuse (raise), rewrite ``exchange.request.headers``, note, set ``answer``,
+        or set ``wait`` (the request then takes the handler path, which awaits it before admission)."""
 
     def route(self, exchange: Exchange) -> Forward | None:
         """After admission: where the request goes, or None to leave it to the next feature."""
