@@ -54,6 +54,9 @@ REASONS: dict[str, str] = {
     "replica_timeout": "the next hop did not answer in time",
     "upstream_reset": "the next hop reset the stream or broke the protocol before answering",
     "overloaded": "the tenant's queue is full, or its wait timed out",
+    "cold_start_timeout": "the app had no replica, and none was ready within the cold-start timeout",
+    "cold_start_full": "the app had no replica, and too many requests already waited for its cold start",
+    "cold_start_failed": "the app had no replica, and its start failed (or is backed off after failures)",
     "session_gone": "the session's replica is gone",
     "too_large": "the request body is over the limit",
     "not_allowed": "the method is not allowed here",
@@ -232,6 +235,58 @@ class QueueTimeout(BlocksError):
         self.headers = _retry_after_headers(retry_after)
 
 
+class ColdStartTimeout(BlocksError):
+    """A request for an app with no replica waited its whole ``cold_start_timeout`` for one: 503.
+
+    The autoscaler's cold-start wait (:class:`~blocks.autoscaler.ColdStartGate`)
+    raises it; ``retry-after`` says when to try again (the replica may be up by then).
+    """
+
+    status = 503
+    error_reason = "cold_start_timeout"
+
+    def __init__(self, message: str, *, app: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.app = app
+        self.retry_after = retry_after
+        self.headers = _retry_after_headers(retry_after)
+
+
+class ColdStartFull(BlocksError):
+    """A request for an app with no replica found ``max_waiting`` requests already waiting for its cold start: 503.
+
+    Refused at once, with ``retry-after``: the wait for a cold start is a
+    bounded queue, never an accidental one.
+    """
+
+    status = 503
+    error_reason = "cold_start_full"
+
+    def __init__(self, message: str, *, app: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.app = app
+        self.retry_after = retry_after
+        self.headers = _retry_after_headers(retry_after)
+
+
+class ColdStartFailed(BlocksError):
+    """A request for an app with no replica: its start failed, or starts are backed off after failures: 503.
+
+    Every request waiting for the start gets it at once (not at the end of
+    ``cold_start_timeout``), and so does every new one while the backoff
+    lasts; ``retry-after`` is when the next start may be tried.
+    """
+
+    status = 503
+    error_reason = "cold_start_failed"
+
+    def __init__(self, message: str, *, app: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.app = app
+        self.retry_after = retry_after
+        self.headers = _retry_after_headers(retry_after)
+
+
 class SessionGone(BlocksError):
     """The session's replica is gone, or its worker no longer hosts the session: 410.
 
@@ -310,6 +365,9 @@ __all__ = [
     "RETRYABLE_REASONS",
     "BlocksError",
     "BadRequest",
+    "ColdStartFailed",
+    "ColdStartFull",
+    "ColdStartTimeout",
     "Compacted",
     "HopFailed",
     "InvalidToken",

@@ -1,0 +1,512 @@
+"""The autoscaler's trio driver: real replica processes, started and drained as the policy says.
+
+The decisions are sans-IO, in :mod:`blocks.autoscaler._core`; this module
+puts them on trio's clock, on processes and on the route store.
+:func:`open_autoscaler` runs, in a nursery of its own (the service's
+lifetime, never a request's):
+
+- a prober (:func:`~blocks.prober.open_prober`) polling the worker in front
+  of the replicas, whose in-flight figures feed the policy each round;
+- the decision loop: once a round, or at once when something changes (a
+  cold start, a replica that died or came up), it asks the policy and
+  carries out the decision; each round it also retries the store deletes
+  that failed;
+- one task per replica (:mod:`._replica`), which owns its process
+  (:mod:`._process`) and its record (:mod:`._store`) from start to exit.
+
+What holds, however the driver ends:
+
+- a replica's record is written only once its process has answered a
+  health request, and deleted before its process is signalled;
+- every process the driver started (each replica's process group) is
+  stopped when :func:`open_autoscaler` returns, or, if the driver is
+  SIGKILLed, killed by the kernel (Linux: each replica's leader process;
+  see :mod:`._process` for a wrapper's children);
+- every record it wrote is deleted when :func:`open_autoscaler` returns,
+  but for those whose delete the store refused (it did not answer within
+  5 s, tried again every round and once more on the way out):
+  ``statistics().pending_deletes`` counts them, a warning names each, and
+  the next driver of the app deletes them on entry (:mod:`._store`'s
+  ownership rule). A driver that was SIGKILLed leaves its records until
+  then too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import socket
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from blocks._sync import one_error
+from blocks.autoscaler._config import AppDriverStatistics, DriverConfig, DriverStatistics, ReplicaTemplate
+from blocks.autoscaler._core import AutoscalePolicy
+from blocks.autoscaler._process import Spawner
+from blocks.autoscaler._replica import AppState, Replica, run_replica
+from blocks.autoscaler._store import PendingDeletes, Store, delete, owned_keys, put
+from blocks.errors import BlocksError, ColdStartFailed, ColdStartFull, ColdStartTimeout, NoRoute, SourceError
+from blocks.prober import LoadEstimator, LoadReport, Prober, ProberConfig, open_prober
+from blocks.routing import (
+    Address,
+    RouteCache,
+    encode_domain,
+    format_address,
+    route_key_for_domain,
+    route_key_for_replica,
+)
+from blocks.singleflight import SingleFlight, open_single_flight
+from blocks.transport.multiplexer import Upstreams, open_upstreams
+
+log = logging.getLogger("blocks.autoscaler")
+
+_MAX_BACKOFF = 10.0  # seconds between failed starts of one app, at most
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@attrs.define(eq=False)
+class Autoscaler:
+    """Runs the replica processes of the apps an :class:`AutoscalePolicy` scales. Use :func:`open_autoscaler`.
+
+    ``policy``, ``templates`` (app -> :class:`ReplicaTemplate`, one per app
+    it runs), ``store``, ``worker``, ``config`` and ``estimator`` (its
+    prober's :class:`~blocks.prober.LoadEstimator`) are what it was opened with.
+    """
+
+    policy: AutoscalePolicy
+    templates: Mapping[str, ReplicaTemplate]
+    store: Store
+    worker: Address
+    config: DriverConfig
+    _upstreams: Upstreams
+    _flights: SingleFlight
+    estimator: LoadEstimator = attrs.field(factory=LoadEstimator)
+    _apps: dict[str, AppState] = attrs.field(init=False)
+    _spawner: Spawner = attrs.field(init=False, factory=Spawner)
+    _replicas: dict[str, Replica] = attrs.field(init=False, factory=dict)
+    _sessions: dict[str, int] = attrs.field(init=False, factory=dict)
+    _pending: PendingDeletes = attrs.field(init=False, factory=PendingDeletes)
+    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _round_done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _round_sent: float = attrs.field(init=False, default=-math.inf)  # when the poll behind the last round was sent
+    _open: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._apps = {app: AppState(template) for app, template in self.templates.items()}
+
+    def __repr__(self) -> str:
+        return f"<Autoscaler worker={format_address(self.worker)} replicas={len(self._replicas)}>"
+
+    @property
+    def apps(self) -> list[str]:
+        return list(self._apps)
+
+    # -- what the proxy calls ----------------------------------------------------------------
+
+    def touch(self, app: str) -> None:
+        """A request for ``app`` arrived (the request path: one assignment)."""
+        self.policy.touch(app, trio.current_time())
+
+    def demand(self, app: str) -> None:
+        """A request for ``app`` found no ready replica: start one now unless one is starting."""
+        if self.policy.request(app, trio.current_time()) != "ready":
+            self._decide(app)
+
+    async def wait_routed(self, app: str, routes: RouteCache) -> None:
+        """Return once ``routes`` offers ``app`` a live replica, starting one if none is; a cold start.
+
+        Waits on memory only: ``routes`` (the proxy's cache) tells its
+        listeners when the app's replicas change, and the start runs in the
+        driver's nursery. Concurrent callers for the same app share one wait
+        (single-flight), and the policy starts one replica for all of them.
+        A caller that gives up never cancels the start. Each a 503:
+
+        - :class:`~blocks.errors.ColdStartTimeout` after ``config.cold_start_timeout``;
+        - :class:`~blocks.errors.ColdStartFull` at once with ``config.max_waiting``
+          requests for the app waiting already;
+        - :class:`~blocks.errors.ColdStartFailed` at once while the app's starts
+          are backed off after a failure, and to every waiter when a start fails
+          (or the start itself raised: logged once, by the flight).
+        """
+        if routes.replicas(app):
+            return
+        state = self._apps[app]
+        if not self._open:
+            raise NoRoute(f"{app}: the autoscaler stopped", error_reason="no_replica")
+        self._refuse_if_backed_off(app)
+        if state.waiting >= self.config.max_waiting:
+            raise ColdStartFull(f"{app}: {state.waiting} requests wait for a cold start already", app=app)
+        key = ("cold start", app, id(routes))
+        timeout = self.config.cold_start_timeout
+        state.waiting += 1
+        try:
+            with trio.move_on_after(timeout):
+                while not routes.replicas(app):
+                    try:
+                        await self._flights.load(key, functools.partial(self._cold_start, app, routes))
+                    except trio.TooSlowError:
+                        continue  # that flight ran its course; this caller's own time is not up
+                    except trio.ClosedResourceError as exc:  # the autoscaler is stopping
+                        raise NoRoute(f"{app}: the autoscaler stopped", error_reason="no_replica") from exc
+                return
+        finally:
+            state.waiting -= 1
+        raise ColdStartTimeout(f"{app}: no replica ready within {timeout:g}s of a cold start", app=app)
+
+    async def _cold_start(self, app: str, routes: RouteCache) -> None:
+        """Ask for a replica, then wait until ``routes`` offers one, or its start fails (a single-flight load)."""
+        state = self._apps[app]
+        wakeup = trio.Event()
+
+        def changed(apps: frozenset[str]) -> None:
+            if app in apps and routes.replicas(app):
+                wakeup.set()
+
+        remove = routes.add_listener(changed)
+        state.wakeups.add(wakeup)
+        try:
+            self.demand(app)
+            while not routes.replicas(app):
+                self._refuse_if_backed_off(app)
+                await wakeup.wait()
+                state.wakeups.discard(wakeup)
+                wakeup = trio.Event()
+                state.wakeups.add(wakeup)
+        except BlocksError as exc:
+            if exc.status != 503:
+                raise self._flight_failed(app, exc) from exc
+            raise
+        except Exception as exc:  # a bug, once, logged here: every waiter gets a 503 that says so
+            raise self._flight_failed(app, exc) from exc
+        finally:
+            state.wakeups.discard(wakeup)
+            remove()
+
+    def _flight_failed(self, app: str, exc: Exception) -> ColdStartFailed:
+        log.error("%s: the cold start failed", app, exc_info=exc)
+        return ColdStartFailed(f"{app}: the cold start failed: {exc!r}", app=app)
+
+    def _refuse_if_backed_off(self, app: str) -> None:
+        """``ColdStartFailed`` while ``app``'s starts are backed off and none of its replicas runs."""
+        state = self._apps[app]
+        wait = state.hold_until - trio.current_time()
+        if wait > 0 and all(self._replicas[name].phase == "draining" for name in state.replicas):
+            raise ColdStartFailed(
+                f"{app}: its last start failed; the next one in {wait:.1f}s", app=app, retry_after=wait
+            )
+
+    def drain(self, name: str) -> None:
+        """Drain replica ``name`` now, whatever the policy says (an operator's move off a host, say).
+
+        It leaves the routes and stops once idle or at ``drain_timeout``, as
+        for the policy's own drains; if the app's count needs it, the policy
+        starts a replacement at once. ``KeyError`` for a name not running;
+        a replica already draining (or stopping) is left as it is.
+        """
+        replica = self._replicas[name]
+        if replica.phase == "draining":
+            return
+        self._stop(replica, trio.current_time())
+        log.info("%s: draining %s (asked)", replica.app, name)
+        self._decide(replica.app)
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def statistics(self) -> DriverStatistics:
+        now = trio.current_time()
+        policy = self.policy.statistics(now).apps
+        apps = {}
+        for app, state in self._apps.items():
+            phases = [self._replicas[name].phase for name in state.replicas]
+            apps[app] = AppDriverStatistics(
+                wanted=policy[app].wanted,
+                starting=phases.count("starting"),
+                ready=phases.count("ready"),
+                draining=phases.count("draining"),
+                in_flight=policy[app].in_flight,
+                waiting=state.waiting,
+                starts=state.starts,
+                failed_starts=state.failed_starts,
+                restarts=state.restarts,
+                backoff=state.backoff,
+                next_start=state.hold_until if state.hold_until > now else -math.inf,
+            )
+        processes = {
+            name: r.process.pid
+            for name, r in sorted(self._replicas.items())
+            if r.process is not None and r.process.returncode is None
+        }
+        return DriverStatistics(apps, processes, len(self._pending))
+
+    # -- the decision loop -------------------------------------------------------------------
+
+    def _on_report(self, report: LoadReport, taken_at: float) -> None:
+        for name, load in report.replicas.items():
+            if load.sessions is not None:
+                self._sessions[name] = load.sessions
+        self._round_sent = max(self._round_sent, taken_at)
+
+    def _feed(self, now: float) -> None:
+        """The prober's figures into the policy: per replica, and per app."""
+        for app, state in self._apps.items():
+            if state.waiting:
+                self.policy.touch(app, now)  # requests wait for a replica: the app is anything but idle
+            total = 0
+            for name in state.replicas:
+                phase = self._replicas[name].phase
+                if phase == "starting":
+                    continue
+                in_flight = self.estimator.estimate(name)
+                self.policy.load(app, name, in_flight, self._sessions.get(name, 0))
+                if phase == "ready":
+                    total += in_flight
+            self.policy.record(app, total, now)
+
+    def _decide(self, app: str) -> None:
+        """Ask the policy about ``app`` and carry the decision out (synchronously: tasks do the I/O)."""
+        now = trio.current_time()
+        decision = self.policy.decide(app, now)
+        for name in decision.drain:
+            self._stop(self._replicas[name], now)
+            log.info("%s: draining %s (%s)", app, name, decision.reason)
+        state = self._apps[app]
+        if not decision.start or now < state.hold_until or self._nursery is None:
+            return  # (a start failed lately: the next round tries again)
+        template = state.template
+        serial = 0
+        for _ in range(decision.start):
+            while (name := f"{app}-{serial}") in self._replicas or route_key_for_replica(app, name) in self._pending:
+                serial += 1  # the lowest free one: names (and the state kept per name) do not grow without end
+            try:
+                address = (template.host, _free_port(template.host))
+            except OSError as exc:
+                self._failed_start(app, f"{name}: no free port on {template.host}: {exc.strerror or exc}")
+                return
+            replica = self._replicas[name] = Replica(app, name, address)
+            state.replicas.add(name)
+            self.policy.starting(app, name, now)
+            state.starts += 1
+            log.info("%s: starting %s on %s (%s)", app, name, format_address(address), decision.reason)
+            self._nursery.start_soon(run_replica, self, replica)
+
+    def _stop(self, replica: Replica, now: float) -> None:
+        self.policy.draining(replica.app, replica.name, now)
+        was, replica.phase = replica.phase, "draining"
+        replica.stop.set()
+        if was == "starting":
+            replica.start_scope.cancel()
+
+    def _wake_soon(self) -> None:
+        self._wake.set()
+
+    async def _decide_forever(self) -> None:
+        while True:
+            with trio.move_on_after(self.config.interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            self._feed(trio.current_time())
+            for app in self._apps:
+                self._decide(app)
+
+    async def _delete_pending_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.interval)
+            if self._pending:
+                await self._pending.retry(self.store)
+                self._wake_soon()  # a name may be free again
+
+    async def _rounds_forever(self, prober: Prober) -> None:
+        """After each prober round: wake the decision loop and whoever waits for a round (a drain)."""
+        while True:
+            await prober.wait_round()
+            done, self._round_done = self._round_done, trio.Event()
+            done.set()
+            self._wake_soon()
+
+    async def _wait_round(self) -> None:
+        await self._round_done.wait()
+
+    def _idle(self, name: str) -> bool:
+        return self.estimator.estimate(name) == 0 and self._sessions.get(name, 0) == 0
+
+    # -- what the replica tasks report (synchronous: the policy hears each change at once) -------
+
+    def _ready(self, replica: Replica) -> None:
+        replica.phase = "ready"
+        self.policy.ready(replica.app, replica.name, trio.current_time())
+        state = self._apps[replica.app]
+        state.failures, state.backoff, state.hold_until = 0, 0.0, -math.inf
+        log.info("%s: %s ready", replica.app, replica.name)
+
+    def _ended(self, replica: Replica, *, died: bool) -> None:
+        """The replica's task is ending: it is out of the policy's fleet before anything is awaited."""
+        app, name = replica.app, replica.name
+        was, replica.phase = replica.phase, "draining"
+        self.policy.gone(app, name, trio.current_time())
+        self._sessions.pop(name, None)
+        self.estimator.forget(name)
+        if died and not replica.stop.is_set():
+            code = replica.process.returncode if replica.process is not None else None
+            if was == "ready":
+                self._apps[app].restarts += 1
+                log.warning("%s: %s exited with %s; replacing it", app, name, code)
+            else:
+                self._failed_start(app, f"{name}: exited with {code} before it was ready", replica)
+        self._wake_soon()
+
+    def _released(self, replica: Replica) -> None:
+        """Its process is gone and its record deleted (or pending): the name is free unless pending."""
+        del self._replicas[replica.name]
+        self._apps[replica.app].replicas.discard(replica.name)
+        self._wake_soon()
+
+    def _failed_start(self, app: str, why: str, replica: Replica | None = None) -> None:
+        if replica is not None:
+            replica.phase = "draining"  # on its way out: no cold start waits for it
+        state = self._apps[app]
+        state.failed_starts += 1
+        state.failures += 1
+        state.backoff = min(0.1 * 2 ** (state.failures - 1), _MAX_BACKOFF)
+        state.hold_until = trio.current_time() + state.backoff
+        log.warning("replica failed to start: %s; next start in %.1fs", why, state.backoff)
+        for wakeup in state.wakeups:  # the cold starts waiting on it fail now, not at their timeout
+            wakeup.set()
+
+    # -- the driver's life -------------------------------------------------------------------------
+
+    async def _serve(self, prober: ProberConfig, *, task_status: trio.TaskStatus[None]) -> None:
+        """Clean up, write the domains, run the loops and the replicas; on the way out, clean up again."""
+        domains = {
+            route_key_for_domain(domain): encode_domain(app)
+            for app, template in self.templates.items()
+            for domain in template.domains
+        }
+        try:
+            with one_error(), self._spawner:  # (the spawning thread outlives every replica task)
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    stale = await owned_keys(self.store, self.apps)
+                    if stale:
+                        log.warning("deleting %d replica records a driver left behind: %s", len(stale), stale)
+                        await delete(self.store, stale)
+                    if domains:
+                        await put(self.store, domains)
+                    async with open_prober(
+                        self._upstreams, lambda: [self.worker], self.estimator, prober, on_report=self._on_report
+                    ) as running:
+                        nursery.start_soon(self._rounds_forever, running)
+                        nursery.start_soon(self._decide_forever)
+                        nursery.start_soon(self._delete_pending_forever)
+                        self._open = True
+                        self._feed(trio.current_time())
+                        for app in self.apps:
+                            self._decide(app)
+                        task_status.started()
+                        await trio.sleep_forever()
+        finally:
+            self._open = False
+            self._nursery = None
+            with trio.CancelScope(shield=True):  # every replica task has ended: their deletes are done or pending
+                if self._pending:
+                    await self._pending.retry(self.store)
+                for key in sorted(self._pending.keys):
+                    log.warning("route store: %s could not be deleted; the next driver of its app deletes it", key)
+                if domains:
+                    try:
+                        await delete(self.store, domains)
+                    except SourceError as exc:
+                        log.warning("route store: the domain records could not be deleted: %s", exc)
+
+
+@asynccontextmanager
+async def open_autoscaler(
+    policy: AutoscalePolicy,
+    templates: Mapping[str, ReplicaTemplate],
+    store: Store,
+    *,
+    worker: Address,
+    config: DriverConfig | None = None,
+    prober: ProberConfig | None = None,
+) -> AsyncIterator[Autoscaler]:
+    """An :class:`Autoscaler` running the replicas of ``policy``'s apps for the ``async with`` block.
+
+    ``templates`` says how to start each app's replicas (every app of the
+    policy needs one; with a policy that has a default config, every app
+    of ``templates`` is scaled, the others with the default); ``store`` is
+    where their records go (the embedded store, or etcd for a fleet of
+    proxies); ``worker`` is the worker in front of them, which every record
+    names and the prober polls (``prober``: its interval and timeouts; by
+    default one round per ``config.interval``). On entry, the replica
+    records of its apps that a driver left behind (``<app>-<n>``) are
+    deleted and the apps' domain records written. Apps at
+    ``min_replicas=0`` start with no replica. Leaving the block stops every
+    replica process and deletes every record it wrote (see the module's
+    guarantees for a store that does not answer).
+
+    ``ValueError`` for an app with ``unit="sessions"``: the driver has no
+    per-replica session counts to feed it yet (docs/autoscaler.md, limits).
+    """
+    apps = list(policy.apps)
+    if policy.default is not None:
+        apps += [app for app in templates if app not in apps]
+    missing = [app for app in apps if app not in templates]
+    if missing:
+        raise ValueError(f"no replica template for app {missing[0]!r}")
+    for app in apps:
+        if policy.config(app).unit == "sessions":
+            raise ValueError(
+                f"app {app!r}: unit='sessions' is not fed by the driver yet (its worker reports no sessions "
+                "for the replicas it reaches by their route): scale it by requests"
+            )
+    config = config or DriverConfig()
+    prober = prober or ProberConfig(interval=config.interval, timeout=min(0.5, config.interval))
+    # (one_error at both ends: open_upstreams adds a group of its own around what crosses it)
+    with one_error():
+        async with (
+            open_upstreams() as upstreams,
+            open_single_flight(join_timeout=math.inf, load_timeout=config.cold_start_timeout) as flights,
+        ):
+            scaler = Autoscaler(
+                policy,
+                {app: templates[app] for app in apps},
+                store,
+                worker,
+                config,
+                upstreams=upstreams,
+                flights=flights,
+            )
+            with one_error():
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(scaler._serve, prober)
+                    try:
+                        yield scaler
+                    finally:
+                        nursery.cancel_scope.cancel()
+
+
+async def serve_autoscaler(
+    policy: AutoscalePolicy,
+    templates: Mapping[str, ReplicaTemplate],
+    store: Store,
+    *,
+    worker: Address,
+    config: DriverConfig | None = None,
+    prober: ProberConfig | None = None,
+    task_status: trio.TaskStatus[Autoscaler] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """:func:`open_autoscaler` until cancelled, for ``nursery.start`` or ``Chain.start``: reports the Autoscaler."""
+    async with open_autoscaler(policy, templates, store, worker=worker, config=config, prober=prober) as scaler:
+        task_status.started(scaler)
+        await trio.sleep_forever()
