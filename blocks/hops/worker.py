@@ -203,7 +203,13 @@ class Worker(Hop):
         return WorkerStatistics(dict(self.in_flight), dict(self.served))
 
     def load(self) -> dict[str, ReplicaLoad]:
-        """Per local replica: requests in flight now, and its configured capacity."""
+        """Per replica: requests in flight now, and its configured capacity.
+
+        Every local replica, and every replica reached where the proxy's
+        ``x-proxyblocks-target`` said (one an autoscaler started, say) that
+        this worker has relayed a request to (its capacity unknown, 0). Past
+        :data:`_MAX_TARGETS` such names, the idle ones are forgotten.
+        """
         loads = {}
         tracker = self.sessions
         for name, replica in self.replicas.items():
@@ -213,6 +219,16 @@ class Worker(Hop):
                 loads[name] = ReplicaLoad(
                     self.in_flight[name], replica.capacity, tracker.active(name), replica.max_sessions, tracker.revision
                 )
+        if len(self.in_flight) > len(self.replicas):
+            others = [name for name in self.in_flight if name not in self.replicas]
+            if len(others) > _MAX_TARGETS:
+                for name in others:
+                    if self.in_flight[name] == 0:
+                        del self.in_flight[name]  # (InFlight adds a name back on its next request)
+            for name in others:
+                count = self.in_flight.get(name)
+                if count is not None:
+                    loads[name] = ReplicaLoad(count, 0)
         return loads
 
     def load_response(self) -> Response:

@@ -451,7 +451,10 @@ class AppAutoscale:
       ``down_window`` otherwise);
     - ``desired_replicas``: ``ceil(total_avg_in_flight / target)`` for "up"
       and "down", ``replicas`` for "hold";
-    - ``history``: seconds of samples within ``down_window``.
+    - ``history``: seconds of samples within ``down_window``;
+    - ``avg_in_flight`` and ``long_avg_in_flight``: the app's total in
+      flight, time-weighted over ``up_window`` and ``down_window`` (what an
+      autoscaler that keeps spare replicas needs, whatever the recommendation).
     """
 
     target: float
@@ -462,6 +465,8 @@ class AppAutoscale:
     desired_replicas: int
     recommendation: str
     history: float
+    avg_in_flight: float = 0.0
+    long_avg_in_flight: float = 0.0
 
 
 @attrs.frozen
@@ -567,6 +572,8 @@ class AutoscaleSignal:
             desired_replicas=desired,
             recommendation=recommendation,
             history=history,
+            avg_in_flight=up_total,
+            long_avg_in_flight=down_total,
         )
 
     def statistics(self, now: float) -> AutoscaleStatistics:

@@ -1,0 +1,46 @@
+"""The autoscaler: replicas started and drained from the load, 0 -> N -> 0.
+
+The policy is sans-IO in ``_core.py`` (:class:`AutoscalePolicy`,
+:class:`ScalingConfig`, :class:`Decision`); the trio driver that starts and
+drains real replica processes and writes them into the routes is
+``_driver.py`` (:func:`open_autoscaler`, :class:`ReplicaTemplate`,
+:class:`DriverConfig`). See docs/autoscaler.md.
+"""
+
+from blocks.autoscaler._core import (
+    AppScalingStatistics,
+    AutoscalePolicy,
+    AutoscalerStatistics,
+    ColdStart,
+    Decision,
+    Phase,
+    ReplicaStatistics,
+    ScalingConfig,
+)
+from blocks.autoscaler._driver import (
+    AppDriverStatistics,
+    Autoscaler,
+    DriverConfig,
+    DriverStatistics,
+    ReplicaTemplate,
+    open_autoscaler,
+)
+
+__all__ = [
+    # the policy (sans-IO)
+    "AppScalingStatistics",
+    "AutoscalePolicy",
+    "AutoscalerStatistics",
+    "ColdStart",
+    "Decision",
+    "Phase",
+    "ReplicaStatistics",
+    "ScalingConfig",
+    # the driver
+    "AppDriverStatistics",
+    "Autoscaler",
+    "DriverConfig",
+    "DriverStatistics",
+    "ReplicaTemplate",
+    "open_autoscaler",
+]
