@@ -28,12 +28,17 @@ A request's path is the chain's, with the same objects deciding:
 5. **The replica** serves ``concurrency`` requests at once; others wait in
    its FIFO, in flight all the same (as a real server's backlog).
 
-Every ``interval`` the autoscaler round records each app's in-flight total
-(sessions hosted, for a sessioned app) and its ready replicas in the
-:class:`~blocks.prober.AutoscaleSignal`, and starts replicas (each a cold
-start) or drains some (fewest sessions, then fewest in flight, first): a
-draining replica leaves the routes at once, finishes what it holds, and
-stops when it holds nothing.
+The autoscaler is the library's :class:`~blocks.autoscaler.AutoscalePolicy`,
+told of every replica's life as the real driver tells it (``starting``,
+``ready``, ``draining``, ``gone``), touched by every request, asked by a
+request that finds no ready replica (``request``: start one, or wait for
+the one starting), and every ``interval`` given each app's in-flight total
+(sessions hosted, for a sessioned app: ``record``) and asked to ``decide``:
+the replicas it says to start start (each a cold start), those it says to
+drain leave the routes at once, finish what they hold, and stop when they
+hold nothing (a starting one stops at once). One policy per app: the
+policy takes its apps when it is made, and the simulator learns an app
+from its first request (a trace names its apps as it goes).
 
 Invariants (the tests check them): every arrival ends exactly once, as
 served, refused or timed out (or is left unfinished by a run cut short at
@@ -52,9 +57,9 @@ from typing import Final
 
 import attrs
 
+from blocks.autoscaler import AutoscalePolicy, Decision
 from blocks.errors import QueueFull
 from blocks.http import Request
-from blocks.prober import AutoscaleSignal
 from blocks.routing import Replica
 from blocks.scheduler import FairQueue, Grant, Ticket
 from blocks.sessions import SessionPlacer, SessionTicket
@@ -185,14 +190,16 @@ class _App:
         "name",
         "replicas",
         "requests",
+        "scaler",
         "sessioned",
         "sessions",
         "starting",
     )
 
-    def __init__(self, name: str, sessioned: bool) -> None:
+    def __init__(self, name: str, sessioned: bool, scaler: AutoscalePolicy) -> None:
         self.name = name
         self.sessioned = sessioned
+        self.scaler = scaler
         self.live: tuple[Replica, ...] = ()  # ready, in the routes: what the policy picks from
         self.replicas: dict[str, _Replica] = {}  # every replica not stopped
         self.starting = 0
@@ -246,8 +253,8 @@ class Simulation:
 
     The cores are the library's own: the configuration's routing policy, a
     :class:`~blocks.scheduler.FairQueue`, a :class:`~blocks.sessions.SessionPlacer`
-    and an :class:`~blocks.prober.AutoscaleSignal`, called as the proxy and
-    the autoscaler call them, with the simulated clock's ``now``.
+    and an :class:`~blocks.autoscaler.AutoscalePolicy` per app, called as the
+    proxy and the autoscaler's driver call them, with the simulated clock's ``now``.
     """
 
     def __init__(self, config: SimConfig) -> None:
@@ -256,7 +263,6 @@ class Simulation:
         self.policy = config.policy(random.Random(config.seed * 2 + 1))
         self.fair_queue = FairQueue(config.scheduler) if config.scheduler is not None else None
         self.placer = SessionPlacer(config.sessions) if config.sessions is not None else None
-        self.signal = AutoscaleSignal(config.autoscale)
         self._sessioned = config.sessions.apps if config.sessions is not None else frozenset()
         self._service = config.replica.service.sampler(random.Random(config.seed * 2))
         self._heap: list[tuple[float, int, int, object]] = []
@@ -381,10 +387,10 @@ class Simulation:
     # -- a request's path ---------------------------------------------------------------------------
 
     def _app(self, name: str) -> _App:
-        app = self._apps[name] = _App(name, name in self._sessioned)
-        for _ in range(self.config.min_replicas):
-            replica = self._start_replica(app, cold=False)
-            self._ready_replica(replica)
+        scaler = AutoscalePolicy({name: self.config.scaling_for(name)})
+        app = self._apps[name] = _App(name, name in self._sessioned, scaler)
+        for _ in range(scaler.decide(name, self.now).start):  # min_replicas, ready from the start
+            self._ready_replica(self._start_replica(app, cold=False))
         return app
 
     def _arrive(self, arrival: Arrival) -> None:
@@ -395,6 +401,7 @@ class Simulation:
         if app is None:
             app = self._app(arrival.app)
         request = _Request(self.now, tenant, app, arrival.size * self._service())
+        app.scaler.touch(app.name, self.now)
         tenant.requests += 1
         self._requests += 1
         self._open += 1
@@ -421,8 +428,8 @@ class Simulation:
         if not app.cold_timer:
             app.cold_timer = True
             self._push(self.now + self.config.cold_start_timeout, _COLD_EXPIRE, app)
-        if not app.starting and len(app.replicas) < self.config.max_replicas:
-            self._start_replica(app)  # one start for every waiter (single flight)
+        if app.scaler.request(app.name, self.now) == "start":  # one start for every waiter (single flight)
+            self._apply(app, app.scaler.decide(app.name, self.now))
 
     def _place(self, session: _Session) -> None:
         placer = self.placer
@@ -671,6 +678,7 @@ class Simulation:
             name=name, worker=("sim", 0), address=("sim", self._serial), capacity=self.config.replica.concurrency
         )
         replica = app.replicas[name] = _Replica(app, route, self.now)
+        app.scaler.starting(app.name, name, self.now)
         app.starting += 1
         self._starting += 1
         self._recount(+1)
@@ -683,6 +691,7 @@ class Simulation:
         if replica.state != _STARTING:
             return
         app = replica.app
+        app.scaler.ready(app.name, replica.name, self.now)
         replica.state = _READY_STATE
         app.starting -= 1
         self._starting -= 1
@@ -700,6 +709,10 @@ class Simulation:
 
     def _drain(self, replica: _Replica) -> None:
         app = replica.app
+        if replica.state == _STARTING:  # it serves nothing yet: it simply stops
+            self._stop(replica)
+            return
+        app.scaler.draining(app.name, replica.name, self.now)
         replica.state = _DRAINING
         self._ready -= 1
         self._draining += 1
@@ -715,6 +728,7 @@ class Simulation:
             self._starting -= 1
             app.starting -= 1
         replica.state = _STOPPED
+        app.scaler.gone(app.name, replica.name, self.now)
         del app.replicas[replica.name]
         self._in_flight.pop(replica.name, None)
         self._lifetimes += self.now - replica.created
@@ -723,26 +737,24 @@ class Simulation:
     # -- the autoscaler round and the timeline -------------------------------------------------------
 
     def _tick(self) -> None:
-        config, now, signal = self.config, self.now, self.signal
+        now = self.now
         for app in self._apps.values():
-            live = len(app.live)
-            signal.record(app.name, app.sessions if app.sessioned else app.in_flight, live, now)
-            advice = signal.recommend(app.name, now)
-            have = live + app.starting
-            desired = advice.desired_replicas if advice.recommendation != "hold" else have
-            if app.cold:
-                desired = max(desired, 1)
-            desired = min(max(desired, config.min_replicas), config.max_replicas)
-            if desired > have:
-                for _ in range(desired - have):
-                    self._start_replica(app)
-            elif desired < have and advice.recommendation == "down":
-                ready = sorted(
-                    (r for r in app.replicas.values() if r.state == _READY_STATE),
-                    key=lambda r: (r.sessions, r.in_flight),
-                )
-                for replica in ready[: have - desired]:
-                    self._drain(replica)
+            scaler = app.scaler
+            scaler.record(app.name, app.sessions if app.sessioned else app.in_flight, now)
+            decision = scaler.decide(app.name, now)
+            if decision.drain:
+                # The drain choice reads each replica's figures: tell them only when it drains (a
+                # decision asked again before it is acted on is the same, with fresh figures).
+                for replica in app.replicas.values():
+                    scaler.load(app.name, replica.name, replica.in_flight, replica.sessions)
+                decision = scaler.decide(app.name, now)
+            self._apply(app, decision)
+
+    def _apply(self, app: _App, decision: Decision) -> None:
+        for _ in range(decision.start):
+            self._start_replica(app)
+        for name in decision.drain:
+            self._drain(app.replicas[name])
 
     def _sample(self) -> None:
         latency, queueing = self._bucket_latency, self._bucket_queueing

@@ -10,7 +10,7 @@ from typing import Literal
 import attrs
 
 from blocks._common import finite
-from blocks.prober import AutoscaleConfig
+from blocks.autoscaler import ScalingConfig
 from blocks.routing import LeastInFlight, Policy, PowerOfTwo, RoundRobin
 from blocks.scheduler import SchedulerConfig
 from blocks.sessions import SessionConfig
@@ -82,9 +82,11 @@ class SimConfig:
     - ``policy``: makes the routing policy from a seeded ``random.Random``
       (``LeastInFlight``, ``PowerOfTwo``, ``lambda rng: RoundRobin()``, your own).
     - ``replica``: the :class:`ReplicaModel` of every app's replicas.
-    - ``autoscale``: the autoscaler's settings (target concurrency: requests
-      per replica, or sessions for a sessioned app; windows; hysteresis).
-    - ``min_replicas``, ``max_replicas``: per app; an app starts with
+    - ``scaling``: the autoscaler's :class:`~blocks.autoscaler.ScalingConfig`
+      for every app (target concurrency, min / max / buffer replicas,
+      windows, hysteresis, idle timeout); a sessioned app's ``unit`` is
+      ``"sessions"`` whatever this one says. ``apps``: an app's own, instead.
+      An app is known from its first request; it then starts with
       ``min_replicas`` ready replicas.
     - ``interval``: seconds between two autoscaler rounds (the prober's interval).
     - ``cold_start_timeout``: how long a request for an app with no ready
@@ -102,11 +104,12 @@ class SimConfig:
     name: str = "sim"
     policy: Callable[[random.Random], Policy] = LeastInFlight
     replica: ReplicaModel = attrs.field(factory=ReplicaModel)
-    autoscale: AutoscaleConfig = attrs.field(
-        factory=lambda: AutoscaleConfig(target_concurrency=1.0, up_window=10.0, down_window=60.0)
+    scaling: ScalingConfig = attrs.field(
+        factory=lambda: ScalingConfig(
+            target_concurrency=1.0, max_replicas=1000, up_window=10.0, down_window=60.0, idle_timeout=60.0
+        )
     )
-    min_replicas: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    max_replicas: int = attrs.field(default=1000, validator=attrs.validators.ge(1))
+    apps: Mapping[str, ScalingConfig] = attrs.field(factory=dict, converter=dict)
     interval: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
     cold_start_timeout: float = attrs.field(default=30.0, validator=[attrs.validators.ge(0), finite])
     scheduler: SchedulerConfig | None = None
@@ -115,6 +118,9 @@ class SimConfig:
     sample: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
     seed: int = 0
 
-    def __attrs_post_init__(self) -> None:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
+    def scaling_for(self, app: str) -> ScalingConfig:
+        """``app``'s scaling: its own, else ``scaling``; in sessions when it is a sessioned app."""
+        config = self.apps.get(app, self.scaling)
+        if self.sessions is not None and app in self.sessions.apps and config.unit != "sessions":
+            config = attrs.evolve(config, unit="sessions")
+        return config

@@ -85,9 +85,9 @@ class Steady:
 class Bursts:
     """``factor`` times the rate for ``length`` seconds at the start of every ``every`` seconds."""
 
-    every: float = attrs.field(validator=[attrs.validators.gt(0), finite])
-    length: float = attrs.field(validator=[attrs.validators.ge(0), finite])
-    factor: float = attrs.field(default=10.0, validator=[attrs.validators.ge(0), finite])
+    every: float = attrs.field(validator=[attrs.validators.gt(0.0), finite])
+    length: float = attrs.field(validator=[attrs.validators.ge(0.0), finite])
+    factor: float = attrs.field(default=10.0, validator=[attrs.validators.ge(0.0), finite])
 
     @property
     def peak(self) -> float:
@@ -101,7 +101,7 @@ class Bursts:
 class Diurnal:
     """A day in ``period`` seconds: from ``low`` times the rate at 0 up to the rate at ``period / 2`` and back."""
 
-    period: float = attrs.field(validator=[attrs.validators.gt(0), finite])
+    period: float = attrs.field(validator=[attrs.validators.gt(0.0), finite])
     low: float = attrs.field(default=0.1, validator=[attrs.validators.ge(0), attrs.validators.le(1)])
 
     @property
@@ -168,15 +168,19 @@ class Traffic:
       None: until the workload's end); their later requests may come after.
     """
 
-    rate: float = attrs.field(validator=[attrs.validators.ge(0), finite])
+    rate: float = attrs.field(validator=[attrs.validators.ge(0.0), finite])
     tenant: str = "default"
     apps: tuple[str, ...] = attrs.field(default=("app",), converter=_apps)
     shape: Shape = attrs.field(factory=Steady)
     requests: float = attrs.field(default=1.0, validator=[attrs.validators.ge(1), finite])
-    think: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0), finite])
-    size: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
-    start: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0), finite])
+    think: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0.0), finite])
+    size: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0.0), finite])
+    start: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), finite])
     stop: float | None = None
+
+
+def _streams(value: Iterable[Traffic]) -> tuple[Traffic, ...]:
+    return tuple(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -187,8 +191,8 @@ class Workload:
     two configurations compared on it see the very same clients.
     """
 
-    traffic: tuple[Traffic, ...] = attrs.field(converter=tuple)
-    duration: float = attrs.field(validator=[attrs.validators.gt(0), finite])
+    traffic: tuple[Traffic, ...] = attrs.field(converter=_streams)
+    duration: float = attrs.field(validator=[attrs.validators.gt(0.0), finite])
     seed: int = 0
 
     def arrivals(self) -> Iterator[Arrival]:
@@ -196,9 +200,8 @@ class Workload:
         rng = random.Random(self.seed)
         expo, uniform = rng.expovariate, rng.random
         duration = self.duration
-        # (time, seq, stream, session): session None is the stream's next session start,
-        # else [session id, app, requests left].
-        heap: list[tuple[float, int, int, list[object] | None]] = []
+        # (time, seq, stream, session): session None is the stream's next session start
+        heap: list[tuple[float, int, int, _Pending | None]] = []
         seq = itertools.count()
         started = [0] * len(self.traffic)
 
@@ -229,26 +232,27 @@ class Workload:
                 started[i] += 1
                 apps = stream.apps
                 app = apps[int(uniform() * len(apps))] if len(apps) > 1 else apps[0]
-                sid = f"{stream.tenant}-{started[i]}"
-                left = 0
+                session = _Pending(f"{stream.tenant}-{i}.{started[i]}", app, 0)
                 if stream.requests > 1:
                     p = 1.0 / stream.requests  # geometric on 1, 2, ... with mean 1/p
-                    left = int(math.log(1.0 - uniform()) / math.log(1.0 - p))
-                if left:
-                    heapq.heappush(
-                        heap,
-                        (time + expo(1.0 / stream.think) if stream.think else time, next(seq), i, [sid, app, left]),
-                    )
-                yield Arrival(time, stream.tenant, app, sid, stream.size)
+                    session.left = int(math.log(1.0 - uniform()) / math.log(1.0 - p))
             else:
-                sid, app, left = session
-                assert isinstance(sid, str) and isinstance(app, str) and isinstance(left, int)
-                if left > 1:
-                    session[2] = left - 1
-                    heapq.heappush(
-                        heap, (time + expo(1.0 / stream.think) if stream.think else time, next(seq), i, session)
-                    )
-                yield Arrival(time, stream.tenant, app, sid, stream.size)
+                session.left -= 1
+            if session.left:
+                later = time + expo(1.0 / stream.think) if stream.think else time
+                heapq.heappush(heap, (later, next(seq), i, session))
+            yield Arrival(time, stream.tenant, session.app, session.id, stream.size)
+
+
+class _Pending:
+    """A generated session with requests still to come."""
+
+    __slots__ = ("app", "id", "left")
+
+    def __init__(self, sid: str, app: str, left: int) -> None:
+        self.id = sid
+        self.app = app
+        self.left = left  # requests after the one being yielded
 
 
 TRACE_FIELDS = ("time", "tenant", "app", "session", "size")
