@@ -54,6 +54,7 @@ REASONS: dict[str, str] = {
     "replica_timeout": "the next hop did not answer in time",
     "upstream_reset": "the next hop reset the stream or broke the protocol before answering",
     "overloaded": "the tenant's queue is full, or its wait timed out",
+    "cold_start_timeout": "the app had no replica, and none was ready within the cold-start timeout",
     "session_gone": "the session's replica is gone",
     "too_large": "the request body is over the limit",
     "not_allowed": "the method is not allowed here",
@@ -232,6 +233,23 @@ class QueueTimeout(BlocksError):
         self.headers = _retry_after_headers(retry_after)
 
 
+class ColdStartTimeout(BlocksError):
+    """A request for an app with no replica waited its whole ``cold_start_timeout`` for one: 503.
+
+    The autoscaler's cold-start wait (:class:`~blocks.autoscaler.ColdStartGate`)
+    raises it; ``retry-after`` says when to try again (the replica may be up by then).
+    """
+
+    status = 503
+    error_reason = "cold_start_timeout"
+
+    def __init__(self, message: str, *, app: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.app = app
+        self.retry_after = retry_after
+        self.headers = _retry_after_headers(retry_after)
+
+
 class SessionGone(BlocksError):
     """The session's replica is gone, or its worker no longer hosts the session: 410.
 
@@ -310,6 +328,7 @@ __all__ = [
     "RETRYABLE_REASONS",
     "BlocksError",
     "BadRequest",
+    "ColdStartTimeout",
     "Compacted",
     "HopFailed",
     "InvalidToken",

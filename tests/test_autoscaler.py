@@ -23,6 +23,7 @@ from blocks import Chain, EmbeddedStore, open_chain
 from blocks.autoscaler import (
     AutoscalePolicy,
     Autoscaler,
+    ColdStartGate,
     DriverConfig,
     ReplicaTemplate,
     ScalingConfig,
@@ -32,6 +33,11 @@ from blocks.store import route_key_for_replica
 
 APP = "demo"
 DEMO = f"{sys.executable} -m blocks.testing.replica --port {{port}} --name {{name}}"
+SLOW = (  # the demo replica, listening only after a second
+    f'{sys.executable} -c "import sys, time, runpy; time.sleep(1.0); '
+    f"sys.argv = ['replica', '--port', '{{port}}', '--name', '{{name}}']; "
+    f"runpy.run_module('blocks.testing.replica', run_name='__main__')\""
+)
 FAST = DriverConfig(interval=0.1, health_interval=0.05, settle=0.2, drain_timeout=20, stop_timeout=5)
 
 
@@ -61,13 +67,13 @@ async def scaled(
     """A chain (bare worker, proxy, edge) with ``APP`` scaled by an autoscaler writing its store."""
     async with open_chain() as chain:
         worker_server, _ = await chain.start_worker({}, app=None)
-        await chain.start_proxy()
-        await chain.start_edge()
         policy = AutoscalePolicy({APP: config})
         template = template or ReplicaTemplate(command=DEMO, protocol="h2", domains=("*",))
         async with open_autoscaler(
             policy, {APP: template}, chain.store, worker=(chain.host, worker_server.port), config=driver
         ) as scaler:
+            await chain.start_proxy(features=[ColdStartGate(scaler, chain.cache)])
+            await chain.start_edge()
             yield chain, scaler
         chain.cancel()
 
@@ -109,12 +115,7 @@ async def test_min_replicas_start_enter_the_routes_when_healthy_and_serve() -> N
 
 async def test_a_replica_is_not_routed_before_it_answers_its_health_request() -> None:
     """A command that listens only after a while: its record appears only once it answers."""
-    slow = (
-        f'{sys.executable} -c "import sys, time, runpy; time.sleep(1.0); '
-        f"sys.argv = ['replica', '--port', '{{port}}', '--name', '{{name}}']; "
-        f"runpy.run_module('blocks.testing.replica', run_name='__main__')\""
-    )
-    template = ReplicaTemplate(command=slow, protocol="h2", domains=("*",))
+    template = ReplicaTemplate(command=SLOW, protocol="h2", domains=("*",))
     with trio.fail_after(60):
         async with scaled(ScalingConfig(target_concurrency=4, min_replicas=1), template) as (chain, scaler):
             await until(lambda: scaler.statistics().apps[APP].starting == 1)
@@ -162,15 +163,68 @@ async def test_a_drained_replica_finishes_its_stream_while_new_requests_go_elsew
 
 async def test_a_command_that_never_becomes_healthy_is_backed_off_never_routed() -> None:
     broken = ReplicaTemplate(command=f"{sys.executable} -c 'import sys; sys.exit(3)' {{port}}", domains=("*",))
+    driver = DriverConfig(interval=0.1, cold_start_timeout=0.5)
     with trio.fail_after(60):
-        async with scaled(ScalingConfig(target_concurrency=4, min_replicas=1), broken) as (chain, scaler):
+        async with scaled(ScalingConfig(target_concurrency=4, min_replicas=1), broken, driver) as (chain, scaler):
             await until(lambda: scaler.statistics().apps[APP].failed_starts >= 3)
             assert [key for key in chain.store.items() if key.startswith("apps/")] == []
             async with httpx.AsyncClient(base_url=chain.url, trust_env=False) as client:
                 response = await client.get("/")
-            assert response.status_code == 503
+            assert (response.status_code, response.headers["proxyblocks-error"]) == (
+                503,
+                "cold_start_timeout; hop=proxy",
+            )
     missing = ReplicaTemplate(command="/nonexistent/replica --port {port}", domains=("*",))
     with trio.fail_after(30):
         async with scaled(ScalingConfig(target_concurrency=4, min_replicas=1), missing) as (chain, scaler):
             await until(lambda: scaler.statistics().apps[APP].failed_starts >= 2)
             assert scaler.statistics().processes == {}
+
+
+# -- scale from zero --------------------------------------------------------------------------
+
+
+async def test_concurrent_requests_for_an_app_at_zero_share_one_cold_start() -> None:
+    with trio.fail_after(60):
+        async with scaled(ScalingConfig(target_concurrency=100)) as (chain, scaler):
+            assert scaler.statistics().apps[APP].starting == 0  # at zero, nothing runs
+            async with httpx.AsyncClient(base_url=chain.url, trust_env=False, timeout=30) as client:
+                answers: list[httpx.Response] = []
+
+                async def get() -> None:
+                    answers.append(await client.get("/"))
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(8):
+                        nursery.start_soon(get)
+                    await until(lambda: scaler.statistics().apps[APP].waiting == 8)  # all held, none refused
+            assert [(r.status_code, r.headers["x-replica"]) for r in answers] == [(200, "demo-0")] * 8
+            stats = scaler.statistics().apps[APP]
+            assert (stats.starts, stats.ready, stats.waiting) == (1, 1, 0)
+
+
+async def test_a_cold_start_past_its_timeout_is_a_503_that_says_why_and_the_start_goes_on() -> None:
+    template = ReplicaTemplate(command=SLOW, protocol="h2", domains=("*",))
+    driver = DriverConfig(interval=0.1, cold_start_timeout=0.3)
+    with trio.fail_after(60):
+        async with scaled(ScalingConfig(target_concurrency=4), template, driver) as (chain, scaler):
+            async with httpx.AsyncClient(base_url=chain.url, trust_env=False, timeout=30) as client:
+                refused = await client.get("/")
+                assert refused.status_code == 503
+                assert refused.headers["proxyblocks-error"] == "cold_start_timeout; hop=proxy"
+                assert refused.headers["retry-after"] == "1"
+                await until(lambda: scaler.statistics().apps[APP].ready == 1)  # the start went on
+                again = await client.get("/")
+                assert (again.status_code, again.headers["x-replica"]) == (200, "demo-0")
+            assert scaler.statistics().apps[APP].starts == 1
+
+
+async def test_an_app_the_autoscaler_does_not_scale_is_refused_at_once() -> None:
+    with trio.fail_after(60):
+        async with scaled(ScalingConfig(target_concurrency=4)) as (chain, scaler):
+            chain.store.put("domains/other.test", b'{"app":"other"}')
+            await until(lambda: chain.cache.app_for(b"other.test") == "other")
+            async with httpx.AsyncClient(base_url=chain.url, trust_env=False) as client:
+                response = await client.get("/", headers={"host": "other.test"})
+            assert (response.status_code, response.headers["proxyblocks-error"]) == (503, "no_replica; hop=proxy")
+            assert scaler.statistics().apps[APP].starts == 0

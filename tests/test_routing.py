@@ -611,3 +611,32 @@ def test_the_cache_equals_the_store_after_any_history(steps: list[Step], seed: i
         assert stats.live == sum(len(expected_replicas(store, app)) for app in APPS)
         assert stats.replicas == sum(1 for k, v in store.items() if k in REPLICA_KEYS and v in REPLICA_VALUES)
         assert stats.staleness == 0.0
+
+
+def test_route_cache_listeners_hear_the_apps_whose_live_replicas_changed() -> None:
+    cache = RouteCache()
+    heard: list[frozenset[str]] = []
+    remove = cache.add_listener(heard.append)
+
+    def failing(apps: frozenset[str]) -> None:
+        raise RuntimeError("a bug in a listener")
+
+    cache.add_listener(failing)  # logged; the others still hear, and the cache still applies
+    worker = ("127.0.0.1", 9000)
+    live = encode_replica(worker=worker, address=("127.0.0.1", 8001))
+    cache.load({route_key_for_replica("a", "a-0"): live}, revision=1, now=0.0)
+    cache.apply([RouteEvent("put", route_key_for_domain("b.test"), encode_domain("b"), 2)], 0.0)  # no replica
+    cache.apply(
+        [
+            RouteEvent("put", route_key_for_replica("b", "b-0"), live, 3),
+            RouteEvent("put", route_key_for_replica("a", "a-0"), live, 3),  # the same: no change for a
+        ],
+        0.0,
+    )
+    draining = encode_replica(worker=worker, address=("127.0.0.1", 8001), state="draining")
+    cache.apply([RouteEvent("put", route_key_for_replica("a", "a-0"), draining, 4)], 0.0)
+    assert heard == [frozenset({"a"}), frozenset({"b"}), frozenset({"a"})]
+    assert cache.replicas("b") and not cache.replicas("a")
+    remove()
+    cache.apply([RouteEvent("delete", route_key_for_replica("b", "b-0"), None, 5)], 0.0)
+    assert len(heard) == 3

@@ -7,6 +7,7 @@ drains real replica processes and writes them into the routes is
 :class:`DriverConfig`). See docs/autoscaler.md.
 """
 
+from blocks.autoscaler._config import AppDriverStatistics, DriverConfig, DriverStatistics, ReplicaTemplate
 from blocks.autoscaler._core import (
     AppScalingStatistics,
     AutoscalePolicy,
@@ -17,14 +18,8 @@ from blocks.autoscaler._core import (
     ReplicaStatistics,
     ScalingConfig,
 )
-from blocks.autoscaler._driver import (
-    AppDriverStatistics,
-    Autoscaler,
-    DriverConfig,
-    DriverStatistics,
-    ReplicaTemplate,
-    open_autoscaler,
-)
+from blocks.autoscaler._driver import Autoscaler, open_autoscaler, serve_autoscaler
+from blocks.autoscaler._gate import ColdStartGate
 
 __all__ = [
     # the policy (sans-IO)
@@ -43,4 +38,7 @@ __all__ = [
     "DriverStatistics",
     "ReplicaTemplate",
     "open_autoscaler",
+    "serve_autoscaler",
+    # the proxy's side of a cold start
+    "ColdStartGate",
 ]

@@ -39,11 +39,10 @@ task stops its process in a shielded ``finally``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import shlex
 import socket
-import string
 import subprocess
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -51,136 +50,28 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from blocks._common import finite
 from blocks._sync import one_error
+from blocks.autoscaler._config import AppDriverStatistics, DriverConfig, DriverStatistics, ReplicaTemplate
 from blocks.autoscaler._core import AutoscalePolicy, Phase
+from blocks.errors import ColdStartTimeout, NoRoute
 from blocks.http import Request
 from blocks.prober import LoadEstimator, LoadReport, Prober, ProberConfig, open_prober
 from blocks.routing import (
     Address,
+    RouteCache,
     encode_domain,
     encode_replica,
     format_address,
     route_key_for_domain,
     route_key_for_replica,
 )
+from blocks.singleflight import SingleFlight, open_single_flight
 from blocks.sources import EmbeddedStore, EtcdSource
 from blocks.transport.multiplexer import Upstreams, open_upstreams
 
 log = logging.getLogger("blocks.autoscaler")
 
-_FIELDS = frozenset({"port", "host", "name", "app"})
-_MAX_BACKOFF = 10.0
-
-
-def _check_command(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
-        argv = shlex.split(value)
-    except ValueError as exc:
-        raise ValueError(f"command {value!r}: {exc}") from None
-    if not argv:
-        raise ValueError("command: empty")
-    unknown = fields - _FIELDS
-    if unknown:
-        raise ValueError(
-            f"command {value!r}: unknown field {{{sorted(unknown)[0]}}} (fields: {{port}}, {{host}}, {{name}}, {{app}})"
-        )
-    if "port" not in fields:
-        raise ValueError(f"command {value!r}: no {{port}}: each replica needs a port of its own")
-
-
-def _strings(value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise TypeError(f"domains: a list of domains, not the string {value!r}")
-    return tuple(value)
-
-
-@attrs.frozen(kw_only=True)
-class ReplicaTemplate:
-    """How to start one app's replicas, and where the routes send its requests.
-
-    - ``command``: a command line, split like a shell's (no shell runs it),
-      with ``{port}`` (a free port, picked per replica), and optionally
-      ``{host}``, ``{name}`` (the replica's name, ``APP-N``) and ``{app}``:
-      ``"python -m blocks.testing.replica --port {port} --name {name}"``.
-    - ``protocol``: what the worker speaks to it, ``"h1"`` or ``"h2"`` (h2c
-      with prior knowledge).
-    - ``health_path``: the request that says it is up (any status under 500).
-    - ``domains``: the authorities routed to the app (``"*"``: every other).
-    - ``host``: where the replica listens, as the worker reaches it.
-    - ``capacity``: requests one replica takes at once, for the routes (0: unknown).
-    """
-
-    command: str = attrs.field(validator=_check_command)
-    protocol: str = attrs.field(default="h1", validator=attrs.validators.in_(("h1", "h2")))
-    health_path: str = attrs.field(default="/")
-    domains: tuple[str, ...] = attrs.field(default=(), converter=_strings)
-    host: str = "127.0.0.1"
-    capacity: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-
-    @health_path.validator
-    def _check_path(self, attribute: attrs.Attribute[str], value: str) -> None:
-        if not value.startswith("/"):
-            raise ValueError(f"health_path {value!r} must start with '/'")
-
-    def argv(self, *, app: str, name: str, port: int) -> list[str]:
-        """The command line of replica ``name`` on ``port``."""
-        fields = {"port": port, "host": self.host, "name": name, "app": app}
-        return [part.format(**fields) for part in shlex.split(self.command)]
-
-
-@attrs.frozen(kw_only=True)
-class DriverConfig:
-    """How the driver watches and handles replicas. Seconds.
-
-    - ``interval``: one prober round, and one decision per app, per interval.
-    - ``start_timeout``: a replica must answer its health request within this.
-    - ``health_interval``: how often a starting replica is asked.
-    - ``settle``: a draining replica is stopped only on a poll sent at least
-      this long after its draining write reached the store.
-    - ``drain_timeout``: the most a draining replica is given to finish.
-    - ``stop_timeout``: SIGTERM, then SIGKILL after this.
-    - ``cold_start_timeout``: how long a request for an app with no replica
-      waits for its first one (see :meth:`Autoscaler.wait_ready`).
-    """
-
-    interval: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
-    start_timeout: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), finite])
-    health_interval: float = attrs.field(default=0.05, validator=[attrs.validators.gt(0), finite])
-    settle: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0), finite])
-    drain_timeout: float = attrs.field(default=30.0, validator=[attrs.validators.ge(0), finite])
-    stop_timeout: float = attrs.field(default=5.0, validator=[attrs.validators.ge(0), finite])
-    cold_start_timeout: float = attrs.field(default=30.0, validator=[attrs.validators.gt(0), finite])
-
-
-@attrs.frozen
-class AppDriverStatistics:
-    """One app as the driver runs it.
-
-    ``starting``, ``ready``, ``draining``: its replica processes by phase;
-    ``in_flight``: what the prober last saw on the ready ones; ``waiting``:
-    requests waiting for a cold start; ``starts``: processes started;
-    ``failed_starts``: that exited or never answered before they were ready;
-    ``restarts``: ready replicas that died and were replaced.
-    """
-
-    wanted: int
-    starting: int
-    ready: int
-    draining: int
-    in_flight: int
-    waiting: int
-    starts: int
-    failed_starts: int
-    restarts: int
-
-
-@attrs.frozen
-class DriverStatistics:
-    apps: dict[str, AppDriverStatistics]
-    processes: dict[str, int]
-    """Replica name -> the pid of its process, for every process running now."""
+_MAX_BACKOFF = 10.0  # seconds between failed starts of one app, at most
 
 
 @attrs.define(eq=False)
@@ -242,6 +133,7 @@ class Autoscaler:
         self._round = 0
         self._round_done = trio.Event()
         self._round_sent = -math.inf  # when the poll behind the last round was sent
+        self._flights: SingleFlight | None = None
 
     def __repr__(self) -> str:
         return f"<Autoscaler worker={format_address(self.worker)} replicas={len(self._replicas)}>"
@@ -260,6 +152,56 @@ class Autoscaler:
         """A request for ``app`` found no ready replica: start one now unless one is starting."""
         if self.policy.request(app, trio.current_time()) != "ready":
             self._decide(app)
+
+    async def wait_routed(self, app: str, routes: RouteCache) -> None:
+        """Return once ``routes`` offers ``app`` a live replica, starting one if none is; a cold start.
+
+        Waits on memory only: ``routes`` (the proxy's cache) tells its
+        listeners when the app's replicas change, and the start runs in the
+        driver's nursery. Concurrent callers for the same app share one wait
+        (single-flight), and the policy starts one replica for all of them.
+        Raises :class:`~blocks.errors.ColdStartTimeout` (503) after
+        ``config.cold_start_timeout``; a caller that gives up never cancels
+        the start.
+        """
+        if routes.replicas(app):
+            return
+        state = self._apps[app]
+        flights = self._flights
+        if flights is None:
+            raise NoRoute(f"{app}: the autoscaler stopped", error_reason="no_replica")
+        key = ("cold start", app, id(routes))
+        timeout = self.config.cold_start_timeout
+        state.waiting += 1
+        try:
+            with trio.move_on_after(timeout):
+                while not routes.replicas(app):
+                    try:
+                        await flights.load(key, functools.partial(self._cold_start, app, routes))
+                    except trio.TooSlowError:
+                        continue  # that flight ran its course; this caller's own time is not up
+                    except trio.ClosedResourceError as exc:  # the autoscaler is stopping
+                        raise NoRoute(f"{app}: the autoscaler stopped", error_reason="no_replica") from exc
+                return
+        finally:
+            state.waiting -= 1
+        raise ColdStartTimeout(f"{app}: no replica ready within {timeout:g}s of a cold start", app=app)
+
+    async def _cold_start(self, app: str, routes: RouteCache) -> None:
+        """Ask for a replica, then wait until ``routes`` offers one (a single-flight load)."""
+        ready = trio.Event()
+
+        def changed(apps: frozenset[str]) -> None:
+            if app in apps and routes.replicas(app):
+                ready.set()
+
+        remove = routes.add_listener(changed)
+        try:
+            self.demand(app)
+            if not routes.replicas(app):
+                await ready.wait()
+        finally:
+            remove()
 
     def drain(self, name: str) -> None:
         """Drain replica ``name`` now, whatever the policy says (an operator's move off a host, say).
@@ -588,8 +530,13 @@ async def open_autoscaler(
     templates = {app: templates[app] for app in policy.apps}
     domains = _domain_records(templates)
     with one_error():
-        async with open_upstreams() as upstreams, trio.open_nursery() as nursery:
+        async with (
+            open_upstreams() as upstreams,
+            open_single_flight(join_timeout=math.inf, load_timeout=config.cold_start_timeout) as flights,
+            trio.open_nursery() as nursery,
+        ):
             scaler = Autoscaler(policy, templates, store, worker, config, upstreams, nursery)
+            scaler._flights = flights
 
             def on_report(report: LoadReport, taken_at: float) -> None:
                 scaler._on_report(report, taken_at)
@@ -607,7 +554,24 @@ async def open_autoscaler(
                         scaler._decide(app)
                     yield scaler
             finally:
+                scaler._flights = None
                 nursery.cancel_scope.cancel()
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     if domains:
                         await _delete(store, domains)
+
+
+async def serve_autoscaler(
+    policy: AutoscalePolicy,
+    templates: Mapping[str, ReplicaTemplate],
+    store: EmbeddedStore | EtcdSource,
+    *,
+    worker: Address,
+    config: DriverConfig | None = None,
+    prober: ProberConfig | None = None,
+    task_status: trio.TaskStatus[Autoscaler] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """:func:`open_autoscaler` until cancelled, for ``nursery.start`` or ``Chain.start``: reports the Autoscaler."""
+    async with open_autoscaler(policy, templates, store, worker=worker, config=config, prober=prober) as scaler:
+        task_status.started(scaler)
+        await trio.sleep_forever()

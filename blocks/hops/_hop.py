@@ -8,8 +8,9 @@ its stack in this order, each phase over the features in stack order:
 
 1. ``screen(exchange)``: refuse the request (raise a
    :class:`~blocks.errors.BlocksError`), rewrite its fields, note what later
-   phases need (the app, verified claims), or answer it here (set
-   ``exchange.answer``: the handler awaits it; nothing else runs).
+   phases need (the app, verified claims), answer it here (set
+   ``exchange.answer``: the handler awaits it; nothing else runs), or hold
+   it (set ``exchange.wait``: the handler awaits it, then goes on).
 2. admission: the hop's :class:`Admission` (a fair scheduler), if any. The
    fast path takes a slot only if one is free now; otherwise the handler
    waits its turn.
@@ -69,6 +70,9 @@ log = logging.getLogger("blocks.hops")
 Answer = Callable[["Exchange"], Awaitable[Response]]
 """A hop's own answer to a request (a probe, a session start): see :attr:`Exchange.answer`."""
 
+Wait = Callable[["Exchange"], Awaitable[None]]
+"""What a request waits for before admission (a cold start): see :attr:`Exchange.wait`."""
+
 
 class Forward:
     """Where one request goes next: the ``route`` phase's result.
@@ -103,6 +107,11 @@ class Exchange:
       id, for a request of a session;
     - ``answer``: set in ``screen`` to answer the request at this hop
       (``await answer(exchange)`` gives the response); nothing else runs;
+    - ``wait``: set in ``screen`` to hold the request until local state is
+      ready (a cold start's first replica): the request takes the handler
+      path, which awaits ``wait(exchange)`` before admission; it must wait
+      on memory (an event), never on the network, and raise a
+      :class:`~blocks.errors.BlocksError` to refuse;
     - ``tee``: set in ``dispatched`` to watch the exchange go by, never
       holding it up (the mirror's copy; :class:`~blocks.transport.Tee`);
     - ``forward``: the route's :class:`Forward`; ``grant``: the scheduler
@@ -133,6 +142,7 @@ class Exchange:
         "session",
         "start",
         "tee",
+        "wait",
     )
 
     def __init__(self, hop: Hop, request: Request) -> None:
@@ -144,6 +154,7 @@ class Exchange:
         self.picked: Replica | None = None
         self.session: str | None = None
         self.answer: Answer | None = None
+        self.wait: Wait | None = None
         self.tee: Tee | None = None
         self.forward: Forward | None = None
         self.grant: Grant | None = None
@@ -418,8 +429,8 @@ class Hop:
         try:
             for screen in self._screens:
                 screen(exchange)
-            if exchange.answer is not None:
-                return False  # answered here: the handler awaits it
+            if exchange.answer is not None or exchange.wait is not None:
+                return False  # answered here, or held: the handler awaits it
             admission = self.admission
             if admission is not None and not admission.admit_nowait(exchange):
                 exchange.queued = True
@@ -479,6 +490,10 @@ class Hop:
             return await exchange.answer(exchange)
         forward = exchange.forward
         if forward is None:
+            wait = exchange.wait
+            if wait is not None:
+                exchange.wait = None
+                await wait(exchange)  # or raises: answered with its status
             if self.admission is not None:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)

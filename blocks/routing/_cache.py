@@ -35,9 +35,10 @@ Invariants
 
 from __future__ import annotations
 
+import logging
 import math
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Literal
 
@@ -46,6 +47,8 @@ import attrs
 from blocks.routing._layout import decode_domain, decode_replica, parse_key
 from blocks.routing._settings import AppSettings, decode_settings, parse_settings_key
 from blocks.routing._table import Replica, app_for
+
+log = logging.getLogger("blocks.routing")
 
 _by_name = attrgetter("name")
 
@@ -122,6 +125,8 @@ class RouteCache:
         self._bad: dict[str, int] = {}
         self._ignored = 0
         self._rebuilds = 0
+        self._listeners: list[Callable[[frozenset[str]], None]] = []
+        self._changed: set[str] = set()  # apps whose live replicas changed in this load or apply
 
     def __repr__(self) -> str:
         return (
@@ -152,6 +157,33 @@ class RouteCache:
         entries = self._apps.get(app)
         return entries.get(name) if entries is not None else None
 
+    def add_listener(self, listener: Callable[[frozenset[str]], None]) -> Callable[[], None]:
+        """Call ``listener`` with the apps whose live replicas changed, after each load or apply that changed any.
+
+        What waits on the routes (a cold start waiting for its app's first
+        replica) listens instead of polling. The call is synchronous, inside
+        the route source's task, once the whole change is applied: a listener
+        must not block; one that raises is logged and the others still run.
+        Returns the function that removes it.
+        """
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return remove
+
+    def _notify(self) -> None:
+        if not self._changed:
+            return
+        changed, self._changed = frozenset(self._changed), set()
+        for listener in list(self._listeners):
+            try:
+                listener(changed)
+            except Exception:
+                log.exception("route cache listener %r failed", listener)
+
     # -- feeding it -------------------------------------------------------------------------
 
     def load(self, snapshot: Mapping[str, bytes], revision: int, now: float) -> None:
@@ -171,6 +203,7 @@ class RouteCache:
         for app in old_apps.keys() | apps.keys():
             self._rebuild(app)
         self.synced(now)
+        self._notify()
 
     def apply(self, events: Sequence[RouteEvent], now: float) -> None:
         """Apply a batch of changes in order, skipping those already seen; confirms the cache current."""
@@ -195,6 +228,7 @@ class RouteCache:
             for app in touched:
                 self._rebuild(app)
         self.synced(now)
+        self._notify()
 
     def synced(self, now: float) -> None:
         """The source confirms the cache is current (an event, a progress notification): staleness is 0."""
@@ -296,6 +330,8 @@ class RouteCache:
             if old != live:
                 self._live[app] = live
                 self._rebuilds += 1
+                self._changed.add(app)
         elif old is not None:
             del self._live[app]
+            self._changed.add(app)
             self._rebuilds += 1
