@@ -231,7 +231,7 @@ class KeptAlive:
         await self.stream.aclose()
 
 
-@pytest.mark.parametrize("recipe", ["chain", "chat", "fleet", "noisy_neighbour", "shadow"])
+@pytest.mark.parametrize("recipe", ["chain", "chat", "fleet", "noisy_neighbour", "serverless", "shadow"])
 def test_the_docs_list_every_flag_of_every_recipe(recipe: str) -> None:
     shown = subprocess.run(
         [sys.executable, "-m", f"recipes.{recipe}", "--help"], capture_output=True, text=True, cwd=REPO, check=True

@@ -258,7 +258,9 @@ class Autoscaler:
 
     def _feed(self, now: float) -> None:
         """The prober's figures into the policy: per replica, and per app."""
-        for app in self._apps:
+        for app, app_state in self._apps.items():
+            if app_state.waiting:
+                self.policy.touch(app, now)  # requests wait for a replica: the app is anything but idle
             unit = self.policy.config(app).unit
             total = 0
             for r in self._replicas.values():
