@@ -538,6 +538,8 @@ class Simulation:
 
     def _serve(self, request: _Request, replica: _Replica) -> None:
         replica.busy += 1
+        if replica.busy > self.config.replica.concurrency or replica.state == _STARTING or replica.state == _STOPPED:
+            raise AssertionError(f"{replica.name} serves {replica.busy} at once in state {replica.state}")
         now = self.now
         wait = now - request.arrival
         request.tenant.queueing.add_both(self._bucket_queueing, wait)
