@@ -82,6 +82,7 @@ NAMESPACES = [
         "blocks.routing",
         "blocks.scheduler",
         "blocks.sessions",
+        "blocks.simulate",
         "blocks.singleflight",
         "blocks.sources",
         "blocks.store",

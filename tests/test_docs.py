@@ -1,8 +1,8 @@
 """The docs' examples run, and print what the docs say they print.
 
 Every ```python block of a page under docs/ that is a whole program (it
-ends in ``trio.run(...)``) is run as it is, in a process of its own, from
-the repository root; one that says it uses a name defined ``as above``
+ends in ``trio.run(...)``, or, when it needs no trio, in a line ``main()``)
+is run as it is, in a process of its own, from the repository root; one that says it uses a name defined ``as above``
 (``# PreferZone as above``) runs after the earlier snippet that defines it.
 When the page shows its output in the plain ``` block right after it, the
 program's output must match it line for line, where a run of digits stands
@@ -34,7 +34,7 @@ def _examples() -> list[tuple[str, str, str | None]]:
             language, code = block.group(1), block.group(2)
             if language != "python":
                 continue
-            if not re.search(r"^trio\.run\(", code, re.MULTILINE):
+            if not re.search(r"^(trio\.run\(|main\(\)$)", code, re.MULTILINE):
                 snippets.append(code)
                 continue
             for name in re.findall(r"^# (\w+) as above$", code, re.MULTILINE):
