@@ -23,7 +23,6 @@ cannot use is one line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -138,4 +137,4 @@ def main(argv: Sequence[str] | None = None, *, report: Callable[[str], None] = p
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()  # (argparse reads sys.argv)
