@@ -143,7 +143,7 @@ async def test_a_replica_is_not_routed_before_it_answers_its_health_request() ->
             await until(lambda: scaler.statistics().apps[APP].starting == 1)
             assert record(chain, "demo-0") is None
             await until(lambda: record(chain, "demo-0") is not None)
-            assert scaler.statistics().apps[APP].ready == 1
+            await until(lambda: scaler.statistics().apps[APP].ready == 1)  # (told once its record is in)
 
 
 async def test_a_replica_that_dies_leaves_the_routes_and_is_replaced() -> None:
