@@ -47,18 +47,15 @@ async def get(url: str, **headers: str) -> httpx.Response:
         return await client.get(url, headers=headers)
 
 
-async def edge_counts(admin: str) -> dict[str, float]:
-    """The edge's 2xx answers by process, from the parent's merged ``/metrics``."""
+async def answered(admin: str, hop: str = "edge") -> dict[str, float]:
+    """``hop``'s 2xx answers by process, from the parent's merged ``/metrics``."""
     async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
         text = (await client.get(f"{admin}/metrics")).text
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if sample.name == "proxyblocks_requests_total" and (labels["hop"], labels["status_class"]) == (
-                "edge",
-                "2xx",
-            ):
+            if sample.name == "proxyblocks_requests_total" and (labels["hop"], labels["status_class"]) == (hop, "2xx"):
                 counts[labels["process"]] = counts.get(labels["process"], 0) + sample.value
     return counts
 
@@ -73,7 +70,7 @@ async def until_both_count(
         response = await get(f"{url}{path}", **headers)
         assert response.status_code == 200, response.text
         bodies.append(response.text)
-        counts = await edge_counts(admin)
+        counts = await answered(admin)
         if all(counts.get(p, 0) > since.get(p, 0) for p in ("0", "1")):
             return bodies
 
@@ -143,13 +140,13 @@ async def test_sighup_reaches_every_process(tmp_path: Path) -> None:
             admin = (await lines.until(r"^admin listening on (\S+)$")).group(1)
             assert set(await until_both_count(url, admin, path="/hello.txt")) == {"A\n"}
             # The config file's replicas, reloaded by SIGHUP in both processes:
-            before = await edge_counts(admin)
+            before = await answered(admin)
             config.write_text(f'replica = ["http://{b[0]}:{b[1]}"]\nroutes = "routes.toml"\n')
             process.send_signal(signal.SIGHUP)
             await lines.next(r"^reloaded$")
             assert set(await until_both_count(url, admin, before, path="/hello.txt")) == {"B\n"}
             # A route file edit, loaded by SIGHUP in both at once (before their watches would see it):
-            before = await edge_counts(admin)
+            before = await answered(admin)
             staged = tmp_path / "routes.new"
             staged.write_text(
                 '[domains]\n"other.example" = "other"\n'
@@ -193,31 +190,15 @@ async def test_sessions_hold_whichever_process_a_request_lands_on(tmp_path: Path
                 started = await client.post(f"{proxy_url}/.proxyblocks/sessions")
             assert started.status_code == 201, started.text
             token, replica = started.json()["token"], started.json()["replica"]
-            before = await proxy_counts(admin)  # (the start counted at one of them)
+            before = await answered(admin, "proxy")  # (the start counted at one of them)
             seen: set[str] = set()
             while seen != {"0", "1"}:  # new connections until both proxy processes served the session
                 async with httpx.AsyncClient(trust_env=False, timeout=10, http1=False, http2=True) as client:
                     answer = await client.get(f"{proxy_url}/", headers={"proxyblocks-session": token})
                 assert (answer.status_code, answer.headers["x-replica"]) == (200, replica), answer.text
-                seen = {p for p, n in (await proxy_counts(admin)).items() if n > before.get(p, 0)}
+                seen = {p for p, n in (await answered(admin, "proxy")).items() if n > before.get(p, 0)}
             await stop(proxy, lines)
             chain.cancel()
-
-
-async def proxy_counts(admin: str) -> dict[str, float]:
-    """The proxy's 2xx answers by process."""
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-        text = (await client.get(f"{admin}/metrics")).text
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if sample.name == "proxyblocks_requests_total" and (labels["hop"], labels["status_class"]) == (
-                "proxy",
-                "2xx",
-            ):
-                counts[labels["process"]] = counts.get(labels["process"], 0) + sample.value
-    return counts
 
 
 async def test_a_bad_flag_with_processes_is_one_line() -> None:

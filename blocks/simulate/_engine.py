@@ -1,50 +1,6 @@
 """The discrete-event engine: simulated replicas and clients around the real sans-IO cores.
 
-Theory of operation
--------------------
-
-Virtual time is a heap of ``(time, seq, kind, thing)`` events; the
-workload's arrivals are read one at a time beside it (never pushed), so the
-heap holds only what is in flight: service completions, cold starts,
-deadlines, idle sessions and the two periodic rounds. Each event runs to
-completion at its instant; ``seq`` makes ties run in the order they were
-scheduled, so a run is a function of its configuration, workload and seed.
-
-A request's path is the chain's, with the same objects deciding:
-
-1. **Scale from zero.** An app with no ready replica: the request (or its
-   session's start) waits, up to ``cold_start_timeout``, for the first
-   replica, whose start is shared by every waiter (single flight).
-2. **Session start** (a sessioned app's first request of a session): the
-   :class:`~blocks.sessions.SessionPlacer` reserves a place, or the start
-   waits in its fair, bounded queue. The simulated worker opens the session
-   at once and answers with its counts, as a real worker's 201.
-3. **Admission**: the :class:`~blocks.scheduler.FairQueue` grants a slot at
-   once (``try_acquire``) or queues the request (``enqueue``; 429 when
-   full, 503 at its deadline). The slot is held until the response is done.
-4. **Routing**: a session's request goes to its replica; any other to the
-   policy's ``pick`` among the app's ready replicas, given the in-flight
-   counts per replica, as the proxy's.
-5. **The replica** serves ``concurrency`` requests at once; others wait in
-   its FIFO, in flight all the same (as a real server's backlog).
-
-The autoscaler is the library's :class:`~blocks.autoscaler.AutoscalePolicy`,
-told of every replica's life as the real driver tells it (``starting``,
-``ready``, ``draining``, ``gone``), touched by every request, asked by a
-request that finds no ready replica (``request``: start one, or wait for
-the one starting), and every ``interval`` given each app's in-flight total
-(sessions hosted, for a sessioned app: ``record``) and asked to ``decide``:
-the replicas it says to start start (each a cold start), those it says to
-drain leave the routes at once, finish what they hold, and stop when they
-hold nothing (a starting one stops at once). One policy per app: the
-policy takes its apps when it is made, and the simulator learns an app
-from its first request (a trace names its apps as it goes).
-
-Invariants (the tests check them): every arrival ends exactly once, as
-served, refused or timed out (or is left unfinished by a run cut short at
-``until``); a replica never serves more than ``concurrency`` at once; a
-replica is billed from its start (cold start included) to its stop, so
-replica-seconds are the integral of the replica count over time.
+How it runs, and the invariants the tests check: the package's docstring (:mod:`blocks.simulate`).
 """
 
 from __future__ import annotations
@@ -55,16 +11,26 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Final
 
-import attrs
-
 from blocks.autoscaler import AutoscalePolicy, Decision
 from blocks.errors import QueueFull
 from blocks.http import Request
 from blocks.routing import Replica
-from blocks.scheduler import FairQueue, Grant, Ticket
+from blocks.scheduler import FairQueue, Ticket
 from blocks.sessions import SessionPlacer, SessionTicket
 from blocks.simulate._histogram import Histogram
 from blocks.simulate._model import SimConfig
+from blocks.simulate._result import Sample, SimResult, SimulationLimit
+from blocks.simulate._state import (
+    _DRAINING,
+    _READY_STATE,
+    _STARTING,
+    _STOPPED,
+    _App,
+    _Replica,
+    _Request,
+    _Session,
+    _Tenant,
+)
 from blocks.simulate._workload import Arrival
 
 # event kinds
@@ -77,175 +43,7 @@ _SQ_EXPIRE: Final = 5
 _COLD_EXPIRE: Final = 6
 _IDLE: Final = 7
 
-# replica states
-_STARTING: Final = 0
-_READY_STATE: Final = 1
-_DRAINING: Final = 2
-_STOPPED: Final = 3
-
 _SERVED: Final = "served"
-
-
-class SimulationLimit(RuntimeError):
-    """A run processed ``max_events`` events before it was done: a bound for tests and runaway configurations."""
-
-
-@attrs.frozen
-class TenantResult:
-    """One tenant's requests: how they ended, and percentiles in seconds (None when none was served).
-
-    ``queueing`` is from arrival to the start of service (cold start, session
-    placement, the fair queue and the replica's own queue); ``latency`` is
-    from arrival to the end of service.
-    """
-
-    requests: int
-    served: int
-    refused: int
-    timed_out: int
-    unfinished: int
-    queueing_p50: float | None
-    queueing_p99: float | None
-    latency_p50: float | None
-    latency_p99: float | None
-
-
-@attrs.frozen
-class Sample:
-    """The fleet at one point of the timeline, and the requests served in the ``sample`` seconds before it."""
-
-    time: float
-    replicas: int
-    ready: int
-    starting: int
-    draining: int
-    in_flight: int
-    served: int
-    queueing_p50: float | None
-    latency_p50: float | None
-    latency_p99: float | None
-
-
-@attrs.frozen
-class SimResult:
-    """What a run did. Counts are of requests unless named otherwise; durations in seconds.
-
-    - ``refused`` and ``timed_out`` map a reason to its count: ``queue-full``
-      (the fair queue's 429), ``session-queue-full`` (the session placer's
-      429); ``queue-timeout``, ``session-timeout`` and ``cold-start`` (no
-      replica within ``cold_start_timeout``), the 503s.
-    - ``replica_seconds``: the integral of the replica count (starting, ready
-      and draining) over the run; ``lifetimes``: the same summed replica by
-      replica, a cross-check; ``replica_changes``: ``(time, count)`` at every
-      change of that count.
-    - ``cold_starts``: replicas started; ``cold_waits``: requests that waited
-      for a first replica; ``peak_replicas``: the most at once.
-    - ``sessions``: sessions started; ``events``: events processed.
-    """
-
-    name: str
-    end: float
-    events: int
-    requests: int
-    served: int
-    refused: dict[str, int]
-    timed_out: dict[str, int]
-    unfinished: int
-    tenants: dict[str, TenantResult]
-    queueing_p50: float | None
-    queueing_p99: float | None
-    latency_p50: float | None
-    latency_p99: float | None
-    replica_seconds: float
-    lifetimes: float
-    cold_starts: int
-    cold_waits: int
-    peak_replicas: int
-    sessions: int
-    timeline: tuple[Sample, ...]
-    replica_changes: tuple[tuple[float, int], ...]
-
-
-class _Replica:
-    __slots__ = ("app", "busy", "created", "in_flight", "name", "queue", "route", "sessions", "state")
-
-    def __init__(self, app: _App, route: Replica, now: float) -> None:
-        self.app = app
-        self.name = route.name
-        self.route = route
-        self.state = _STARTING
-        self.busy = 0  # in service
-        self.in_flight = 0  # in service or in its queue
-        self.queue: deque[_Request] = deque()
-        self.sessions = 0
-        self.created = now
-
-
-class _App:
-    __slots__ = (
-        "cold",
-        "cold_timer",
-        "in_flight",
-        "live",
-        "name",
-        "replicas",
-        "requests",
-        "scaler",
-        "sessioned",
-        "sessions",
-        "starting",
-    )
-
-    def __init__(self, name: str, sessioned: bool, scaler: AutoscalePolicy) -> None:
-        self.name = name
-        self.sessioned = sessioned
-        self.scaler = scaler
-        self.live: tuple[Replica, ...] = ()  # ready, in the routes: what the policy picks from
-        self.replicas: dict[str, _Replica] = {}  # every replica not stopped
-        self.starting = 0
-        self.in_flight = 0
-        self.sessions = 0
-        self.cold: deque[tuple[float, _Request | _Session]] = deque()  # (deadline, waiter) for a first replica
-        self.cold_timer = False
-        self.requests: dict[str, Request] = {}  # tenant -> the Request a policy is shown
-
-
-class _Tenant:
-    __slots__ = ("latency", "name", "queueing", "refused", "requests", "served", "timed_out")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.requests = self.served = self.refused = self.timed_out = 0
-        self.queueing = Histogram()
-        self.latency = Histogram()
-
-
-class _Request:
-    __slots__ = ("app", "arrival", "ended", "grant", "replica", "service", "session", "tenant")
-
-    def __init__(self, arrival: float, tenant: _Tenant, app: _App, service: float) -> None:
-        self.arrival = arrival
-        self.tenant = tenant
-        self.app = app
-        self.service = service
-        self.session: _Session | None = None
-        self.grant: Grant | None = None
-        self.replica: _Replica | None = None
-        self.ended = ""
-
-
-class _Session:
-    __slots__ = ("app", "id", "in_flight", "last", "replica", "tenant", "timer", "waiting")
-
-    def __init__(self, sid: str, app: _App, tenant: _Tenant, now: float) -> None:
-        self.id = sid
-        self.app = app
-        self.tenant = tenant
-        self.replica: _Replica | None = None
-        self.waiting: list[_Request] = []  # requests that came before its start was placed
-        self.in_flight = 0
-        self.last = now
-        self.timer = False
 
 
 class Simulation:
@@ -253,7 +51,7 @@ class Simulation:
 
     The cores are the library's own: the configuration's routing policy, a
     :class:`~blocks.scheduler.FairQueue`, a :class:`~blocks.sessions.SessionPlacer`
-    and an :class:`~blocks.autoscaler.AutoscalePolicy` per app, called as the
+    and an :class:`~blocks.autoscaler.AutoscalePolicy` for every app, called as the
     proxy and the autoscaler's driver call them, with the simulated clock's ``now``.
     """
 
@@ -268,6 +66,7 @@ class Simulation:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._apps: dict[str, _App] = {}
+        self._scaler = AutoscalePolicy(default=config.scaling)  # each app added at its first request
         self._tenants: dict[str, _Tenant] = {}
         self._sessions: dict[str, _Session] = {}
         self._in_flight: dict[str, int] = {}  # replica name -> requests in flight: what the policy reads
@@ -387,7 +186,8 @@ class Simulation:
     # -- a request's path ---------------------------------------------------------------------------
 
     def _app(self, name: str) -> _App:
-        scaler = AutoscalePolicy({name: self.config.scaling_for(name)})
+        scaler = self._scaler
+        scaler.add(name, self.config.scaling_for(name))
         app = self._apps[name] = _App(name, name in self._sessioned, scaler)
         for _ in range(scaler.decide(name, self.now).start):  # min_replicas, ready from the start
             self._ready_replica(self._start_replica(app, cold=False))
@@ -782,20 +582,7 @@ class Simulation:
         lifetimes = self._lifetimes + sum(
             end - replica.created for app in self._apps.values() for replica in app.replicas.values()
         )
-        tenants = {
-            name: TenantResult(
-                requests=t.requests,
-                served=t.served,
-                refused=t.refused,
-                timed_out=t.timed_out,
-                unfinished=t.requests - t.served - t.refused - t.timed_out,
-                queueing_p50=t.queueing.percentile(0.5),
-                queueing_p99=t.queueing.percentile(0.99),
-                latency_p50=t.latency.percentile(0.5),
-                latency_p99=t.latency.percentile(0.99),
-            )
-            for name, t in sorted(self._tenants.items())
-        }
+        tenants = {name: t.result() for name, t in sorted(self._tenants.items())}
         queueing, latency = Histogram(), Histogram()
         for t in self._tenants.values():
             queueing.merge(t.queueing)

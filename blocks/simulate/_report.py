@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from blocks.simulate._engine import SimResult
+from blocks.simulate._result import SimResult
 
 
 def _seconds(value: float | None) -> str:
