@@ -24,8 +24,10 @@ that replica, as its route entry says (``h2 host:port`` or ``h1 host:port``,
 :attr:`~blocks.routing.Replica.target`). Read, and removed, by the worker for
 a replica it is not configured with, so a route file or an etcd entry naming
 any server works; a replica the worker is configured with is reached as
-configured. A worker forwards wherever this field says: like every internal
-listener, it must only be reachable from the proxies."""
+configured. The proxy's session starts and ends carry it too, so a worker
+with sessions keeps them for such a replica. A worker forwards wherever this
+field says: like every internal listener, it must only be reachable from the
+proxies."""
 
 SESSION_HEADER = b"x-proxyblocks-session"
 """Written by the proxy for a request of a session (its id, from the signed

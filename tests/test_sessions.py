@@ -106,15 +106,19 @@ async def assemble_sessions(
     max_sessions: int = 0,
     idle_timeout: float = 300.0,
     protect_pages: bool = True,
+    routed: bool = False,
     **config: Any,
 ) -> SessionChain:
+    """The chain; with ``routed``, the worker lists only ``open-0`` and reaches the room's replicas by their
+    route (as it reaches those an autoscaler starts)."""
     replicas = {name: SessionReplica(name) for name in ("room-0", "room-1", "open-0")}
     local = {}
     for name, handler in replicas.items():
         server = await nursery.start(functools.partial(serve_http, handler, config=ListenerConfig()))
         local[name] = LocalReplica((HOST, server.port), "h2", max_sessions=max_sessions)
+    listed = {"open-0": local["open-0"]} if routed else local
     worker_server, worker = await nursery.start(
-        functools.partial(serve_worker, local, sessions=WorkerSessionConfig(idle_timeout=idle_timeout))
+        functools.partial(serve_worker, listed, sessions=WorkerSessionConfig(idle_timeout=idle_timeout))
     )
     worker_address = (HOST, worker_server.port)
     routes = RouteTable.build(
@@ -404,3 +408,53 @@ async def test_a_start_needs_a_proxy_auth_token_even_where_the_pages_are_public(
             response = await c.get(chain.url + "/in", headers=session_headers(session["token"]))
             assert response.headers["x-replica"] == session["replica"]
         assert chain.worker.sessions is not None and chain.worker.sessions.statistics().opened == 1
+
+
+async def test_a_replica_the_worker_reaches_by_its_route_keeps_sessions_like_a_listed_one(
+    nursery: trio.Nursery,
+) -> None:
+    """One an autoscaler started: the worker does not list it, the proxy's start names where it is."""
+    with trio.fail_after(15):
+        chain = await assemble_sessions(nursery, routed=True, max_per_replica=2, queue_timeout=0.2)
+        assert list(chain.worker.replicas) == ["open-0"]
+        async with client() as c:
+            answers = [(await start_session(c, chain)).json() for _ in range(4)]
+            assert sorted(a["replica"] for a in answers) == ["room-0", "room-0", "room-1", "room-1"]
+            full = await start_session(c, chain)
+            assert full.status_code == 503  # the proxy's max_per_replica caps a replica whose own limit is unknown
+            for a in answers:
+                response = await c.get(chain.url + "/x", headers=session_headers(a["token"]))
+                assert (response.status_code, response.headers["x-replica"]) == (200, a["replica"])
+            loads = chain.worker.load()
+            assert [(loads[n].sessions, loads[n].session_capacity) for n in ("room-0", "room-1")] == [(2, 0), (2, 0)]
+            ended = await c.delete(chain.url + "/.proxyblocks/sessions", headers=session_headers(answers[0]["token"]))
+            assert ended.status_code == 204
+            gone = await c.get(chain.url + "/x", headers=session_headers(answers[0]["token"]))
+            assert (gone.status_code, gone.headers["proxyblocks-session-ended"]) == (410, "not-hosted")  # the worker's
+            # a session id the worker never opened there: a 410 from the worker too, never served
+            forged = ISSUER.mint(
+                app="room", now=time.time(), ttl=60, kind="session", session_id="nope", replica=answers[1]["replica"]
+            )
+            stray = await c.get(chain.url + "/x", headers=session_headers(forged))
+            assert (stray.status_code, stray.headers["proxyblocks-session-ended"]) == (410, "not-hosted")
+        assert chain.worker.sessions is not None
+        stats = chain.worker.sessions.statistics()
+        assert (stats.active, stats.opened, stats.unknown) == ({"open-0": 0, "room-0": 1, "room-1": 2}, 4, 2)
+        assert sum(len(chain.replicas[n].arrivals) for n in ("room-0", "room-1")) == 4
+
+
+async def test_a_session_control_request_without_a_usable_target_takes_on_nothing(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        chain = await assemble_sessions(nursery, routed=True)
+        host, port = chain.routes.apps["room"][0].worker
+        fields = {"x-proxyblocks-probe": "1", "x-proxyblocks-session": "s1", "x-proxyblocks-replica": "room-9"}
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", trust_env=False) as c:
+            unnamed = await c.post("/.proxyblocks/sessions", headers=fields)
+            assert unnamed.status_code == 404  # no target: not a replica this worker reaches
+            unusable = await c.post("/.proxyblocks/sessions", headers={**fields, "x-proxyblocks-target": "h2 nowhere"})
+            assert unusable.status_code == 503
+            target = chain.routes.apps["room"][0].target.decode()
+            opened = await c.post("/.proxyblocks/sessions", headers={**fields, "x-proxyblocks-target": target})
+            assert (opened.status_code, opened.json()["active"], opened.json()["capacity"]) == (201, 1, 0)
+        assert chain.worker.sessions is not None
+        assert chain.worker.sessions.statistics().active == {"open-0": 0, "room-9": 1}

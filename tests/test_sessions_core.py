@@ -749,6 +749,33 @@ def test_tracker_statistics_and_repr() -> None:
     assert SessionGone("gone", reason="not-hosted").status == 410
 
 
+def test_a_replica_reached_by_its_route_is_added_with_no_limit_of_its_own() -> None:
+    t = tracker(max_sessions=3, r0=1)
+    with pytest.raises(KeyError):
+        t.open("a", "auto-0", 0.0)  # not added yet
+    t.add("auto-0")
+    t.add("auto-0")  # known: nothing changes
+    t.add("r0", 7)  # listed: its own capacity stays
+    assert [t.open(s, "auto-0", 0.0) for s in ("a", "b", "c", "d")] == [True, True, True, False]  # max_sessions
+    assert t.begin("a", "auto-0", 1.0) and not t.begin("a", "r0", 1.0)  # hosted there, and only there
+    stats = t.statistics()
+    assert (stats.active, stats.capacity) == ({"r0": 0, "auto-0": 3}, {"r0": 1, "auto-0": 0})
+
+
+def test_past_max_added_the_added_replicas_that_host_no_session_are_forgotten() -> None:
+    t = SessionTracker({"r0": 0}, WorkerSessionConfig(), max_added=3)
+    for name in ("a-0", "a-1", "a-2"):
+        t.add(name)
+    assert t.open("s", "a-1", 0.0)
+    t.add("a-3")  # a fourth: a-0 and a-2 host nothing and go; a-1 hosts a session and stays
+    assert sorted(t.capacities) == ["a-1", "a-3", "r0"]
+    assert t.begin("s", "a-1", 1.0)
+    for n in range(100):  # a flood of names never grows it past the bound (and the names that host a session)
+        t.add(f"flood-{n}")
+    assert len(t.capacities) <= 1 + 3
+    assert t.active("a-1") == 1 and "r0" in t.capacities  # a listed replica is never forgotten
+
+
 @attrs.define
 class _Model:
     replica: str

@@ -13,7 +13,7 @@ from blocks.errors import NoRoute
 from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.hops.proxy import InFlight
-from blocks.http import Response
+from blocks.http import Request, Response
 from blocks.prober import ReplicaLoad, load_response
 from blocks.routing import parse_address
 from blocks.sessions import SessionGone, SessionTracker, WorkerSessionConfig, session_control_response
@@ -71,7 +71,10 @@ class Probes(Feature):
         return self.worker.load_response()
 
     async def _session(self, exchange: Exchange) -> Response:
-        return session_control_response(self.worker.sessions, exchange.request, exchange.hop.clock())
+        worker = self.worker
+        if worker.sessions is not None:
+            worker.take_on(exchange.request)
+        return session_control_response(worker.sessions, exchange.request, exchange.hop.clock())
 
 
 class LocalRoute(Feature):
@@ -169,6 +172,9 @@ class Worker(Hop):
     ``x-proxyblocks-session``, which the replica sees too) counts in its
     session's in-flight, and gets a 410 if this worker does not host that
     session on that replica (ended idle, terminated, or a worker restart).
+    That holds for a replica reached by its route too (one an autoscaler
+    started): the proxy's session start names its ``x-proxyblocks-target``,
+    and the worker keeps its sessions from then on (:meth:`take_on`).
     """
 
     upstream_name = "app"
@@ -187,13 +193,16 @@ class Worker(Hop):
         self.sessions = (
             None
             if sessions is None
-            else SessionTracker({key: replica.max_sessions for key, replica in replicas.items()}, sessions)
+            else SessionTracker(
+                {key: replica.max_sessions for key, replica in replicas.items()}, sessions, max_added=_MAX_TARGETS
+            )
         )
         self.served: dict[str, int] = dict.fromkeys(replicas, 0)
         accounting = InFlight(served=self.served)
         accounting.counts.update(dict.fromkeys(replicas, 0))
         self.in_flight = accounting.counts
-        stack: list[Feature] = [Probes(self), *features, LocalRoute(replicas, name)]
+        self._route = LocalRoute(replicas, name)
+        stack: list[Feature] = [Probes(self), *features, self._route]
         if self.sessions is not None:
             stack.append(SessionCount(self.sessions))
         stack.append(accounting)
@@ -202,34 +211,69 @@ class Worker(Hop):
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(dict(self.in_flight), dict(self.served))
 
+    def take_on(self, request: Request) -> None:
+        """Keep sessions for the replica a session start or end names, if it is reached by its route.
+
+        The proxy's control request names the replica
+        (``x-proxyblocks-replica``) and, for one the worker does not list,
+        where it is (``x-proxyblocks-target``, as its requests carry it):
+        the tracker takes it on with no session limit of its own (its
+        ``max_sessions`` is not known here: the proxy's
+        ``SessionConfig.max_per_replica`` caps it, the worker's
+        ``max_sessions`` bounds them all). A target the worker could not
+        reach is a :class:`~blocks.errors.NoRoute` (503), as its requests
+        would be. Without a target, nothing is taken on: the answer is a 404.
+        """
+        tracker = self.sessions
+        key = request.header(REPLICA_HEADER)
+        wire = request.header(TARGET_HEADER)
+        if tracker is None or not key or wire is None:
+            return
+        name = key.decode("ascii", "replace")
+        if name not in tracker.capacities:
+            self._route._target(wire)
+            tracker.add(name)
+
     def load(self) -> dict[str, ReplicaLoad]:
-        """Per replica: requests in flight now, and its configured capacity.
+        """Per replica: requests in flight now, its configured capacity, and its sessions when it keeps them.
 
         Every local replica, and every replica reached where the proxy's
         ``x-proxyblocks-target`` said (one an autoscaler started, say) that
-        this worker has relayed a request to (its capacity unknown, 0). Past
-        :data:`_MAX_TARGETS` such names, the idle ones are forgotten.
+        this worker has relayed a request to, or keeps sessions for (its
+        capacities unknown, 0). Past :data:`_MAX_TARGETS` such names, the
+        idle ones are forgotten (the tracker's too, those hosting no session).
         """
         loads = {}
         tracker = self.sessions
+        in_flight = self.in_flight
         for name, replica in self.replicas.items():
             if tracker is None:
-                loads[name] = ReplicaLoad(self.in_flight[name], replica.capacity)
+                loads[name] = ReplicaLoad(in_flight[name], replica.capacity)
             else:
                 loads[name] = ReplicaLoad(
-                    self.in_flight[name], replica.capacity, tracker.active(name), replica.max_sessions, tracker.revision
+                    in_flight[name], replica.capacity, tracker.active(name), replica.max_sessions, tracker.revision
                 )
-        if len(self.in_flight) > len(self.replicas):
-            others = [name for name in self.in_flight if name not in self.replicas]
+        if len(in_flight) > len(self.replicas):
+            others = [name for name in in_flight if name not in self.replicas]
             if len(others) > _MAX_TARGETS:
                 for name in others:
-                    if self.in_flight[name] == 0:
-                        del self.in_flight[name]  # (InFlight adds a name back on its next request)
+                    if in_flight[name] == 0:
+                        del in_flight[name]  # (InFlight adds a name back on its next request)
             for name in others:
-                count = self.in_flight.get(name)
+                count = in_flight.get(name)
                 if count is not None:
-                    loads[name] = ReplicaLoad(count, 0)
+                    loads[name] = self._routed_load(name, count)
+        if tracker is not None and len(tracker.capacities) > len(self.replicas):
+            for name in tracker.capacities:
+                if name not in loads:
+                    loads[name] = self._routed_load(name, 0)
         return loads
+
+    def _routed_load(self, name: str, in_flight: int) -> ReplicaLoad:
+        tracker = self.sessions
+        if tracker is None:
+            return ReplicaLoad(in_flight, 0)
+        return ReplicaLoad(in_flight, 0, tracker.active(name), tracker.capacities.get(name, 0), tracker.revision)
 
     def load_response(self) -> Response:
         """The answer to a load probe: :meth:`load` as JSON, never cached."""

@@ -15,7 +15,7 @@ import trio
 
 from blocks._sync import one_error
 from blocks.errors import NoRoute, SessionGone, Unauthorized, UpstreamProtocolError, UpstreamTimeout
-from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH
+from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.http import Headers, Request, Response, json_response
 from blocks.sessions._core import SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
 from blocks.sessions._core_tracker import SessionTracker
@@ -257,7 +257,12 @@ class SessionBroker:
         """One control request to ``replica``'s worker: ``(status, active sessions, capacity, revision)``."""
         host, port = replica.worker
         request = Request(method, b"http", f"{host}:{port}".encode(), SESSIONS_PATH)
-        fields = [(PROBE_HEADER, b"1"), (SESSION_HEADER, session.encode()), (REPLICA_HEADER, replica.name.encode())]
+        fields = [
+            (PROBE_HEADER, b"1"),
+            (SESSION_HEADER, session.encode()),
+            (TARGET_HEADER, replica.target),  # where it is: a worker keeps sessions for a replica it reaches by route
+            (REPLICA_HEADER, replica.name.encode()),
+        ]
         with trio.move_on_after(self.control_timeout):
             response = await self.upstreams.request(replica.worker, request, fields)
             try:
@@ -293,7 +298,8 @@ def session_control_response(tracker: SessionTracker | None, request: Request, n
     """A worker's answer to the proxy's session start (``POST``) or terminate (``DELETE``) at ``now``.
 
     The request names the session (``x-proxyblocks-session``) and the
-    replica (``x-proxyblocks-replica``). The answer is ``{"active": n,
+    replica (``x-proxyblocks-replica``; the worker takes on one it reaches by
+    its route before this, see :meth:`blocks.Worker.take_on`). The answer is ``{"active": n,
     "capacity": c, "revision": r}`` of the replica either way, with 201
     (opened) or 409 (the replica, or the worker, is full) for a start, 200
     (ended) or 404 (no such session) for a terminate; 404 for a replica the

@@ -8,6 +8,14 @@ by the replicas' capacities and ``max_sessions``. Sessions sit in an ordered
 dict by last activity, so expiry looks at the oldest only: O(1) per session
 touched or ended.
 
+The replicas are those the worker lists (given at construction, each with
+its own ``max_sessions``) and those it reaches by their route (one an
+autoscaler started: taken on with :meth:`SessionTracker.add` when the proxy
+first opens or ends a session there, with no limit of their own). Past
+``max_added`` of the latter, those hosting no session are forgotten when
+another is added: the names that stay host a session each, so they are
+bounded by ``max_sessions`` too.
+
 Invariants: a replica's ``active`` count is the number of its sessions in
 the dict, never above its capacity (when it has one), and the sessions in
 all stay within ``max_sessions``; ``revision`` grows with every change of
@@ -67,12 +75,18 @@ class SessionTracker:
     """A worker's sessions: which replica hosts each, what is in flight, when each goes idle.
 
     ``capacities``: replica -> the most sessions it hosts at once (0: no
-    limit but the worker's ``max_sessions``).
+    limit but the worker's ``max_sessions``): the worker's own list.
+    :meth:`add` takes on a replica the worker reaches by its route; at most
+    ``max_added`` of those are kept that host no session.
     """
 
-    def __init__(self, capacities: Mapping[str, int], config: WorkerSessionConfig | None = None) -> None:
+    def __init__(
+        self, capacities: Mapping[str, int], config: WorkerSessionConfig | None = None, *, max_added: int = 4096
+    ) -> None:
         self.config = config = config or WorkerSessionConfig()
         self.capacities = dict(capacities)
+        self.max_added = max_added
+        self._added: set[str] = set()  # replicas taken on by add(), not in the worker's own list
         self._active: dict[str, int] = dict.fromkeys(capacities, 0)
         self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()  # oldest activity first
         self._idle = config.idle_timeout
@@ -86,6 +100,27 @@ class SessionTracker:
 
     def active(self, replica: str) -> int:
         return self._active.get(replica, 0)
+
+    def add(self, replica: str, capacity: int = 0) -> None:
+        """Keep sessions for ``replica`` too: one its worker reaches by its route (no-op if known).
+
+        ``capacity``: the most sessions it hosts at once (0, for a replica
+        whose limit the worker is not told: none but ``max_sessions``). With
+        ``max_added`` replicas added already, those hosting no session are
+        forgotten first (a name comes back with its next start), so a flood
+        of names cannot grow the tracker.
+        """
+        if replica in self.capacities:
+            return
+        added = self._added
+        if len(added) >= self.max_added:
+            active = self._active
+            for name in [name for name in added if not active[name]]:
+                added.discard(name)
+                del self.capacities[name], active[name]
+        added.add(replica)
+        self.capacities[replica] = capacity
+        self._active[replica] = 0
 
     def open(self, session: str, replica: str, now: float) -> bool:
         """Host ``session`` on ``replica``; False if the replica (or the worker) is full.
