@@ -16,6 +16,8 @@ class ColdStartGate(Feature):
     and one assignment (the app is not idle); one for an app with none sets ``exchange.wait``, so
     the handler awaits :meth:`Autoscaler.wait_routed` (a replica starts, the request is routed to
     it once the routes offer it; past ``cold_start_timeout``, a 503 ``cold_start_timeout``).
+    A session start (``POST /.proxyblocks/sessions``, which the proxy answers itself) waits the
+    same way, then is placed on that replica.
     Requests for other apps pass untouched (no replica there stays a 503 ``no_replica`` at once).
     """
 

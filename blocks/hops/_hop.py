@@ -10,7 +10,8 @@ its stack in this order, each phase over the features in stack order:
    :class:`~blocks.errors.BlocksError`), rewrite its fields, note what later
    phases need (the app, verified claims), answer it here (set
    ``exchange.answer``: the handler awaits it; nothing else runs), or hold
-   it (set ``exchange.wait``: the handler awaits it, then goes on).
+   it (set ``exchange.wait``: the handler awaits it, then goes on: to the
+   answer if one is set, say a session start held by a cold start).
 2. admission: the hop's :class:`Admission` (a fair scheduler), if any. The
    fast path takes a slot only if one is free now; otherwise the handler
    waits its turn.
@@ -109,7 +110,8 @@ class Exchange:
       (``await answer(exchange)`` gives the response); nothing else runs;
     - ``wait``: set in ``screen`` to hold the request until local state is
       ready (a cold start's first replica): the request takes the handler
-      path, which awaits ``wait(exchange)`` before admission; it must wait
+      path, which awaits ``wait(exchange)`` before admission (and before
+      ``answer``, when both are set: a session start needs a replica); it must wait
       on memory (an event), never on the network, and raise a
       :class:`~blocks.errors.BlocksError` to refuse;
     - ``tee``: set in ``dispatched`` to watch the exchange go by, never
@@ -487,14 +489,14 @@ class Hop:
             self.screen(exchange)
         elif exchange.error is not None:
             raise exchange.error
+        wait = exchange.wait
+        if wait is not None:  # (set in screen: nothing was decided yet)
+            exchange.wait = None
+            await wait(exchange)  # or raises: answered with its status
         if exchange.answer is not None:
             return await exchange.answer(exchange)
         forward = exchange.forward
         if forward is None:
-            wait = exchange.wait
-            if wait is not None:
-                exchange.wait = None
-                await wait(exchange)  # or raises: answered with its status
             if self.admission is not None:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)
