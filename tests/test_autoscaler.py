@@ -10,12 +10,14 @@ sans-IO policy is tested in tests/test_autoscaler_core.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,7 +28,17 @@ import hyperframe.frame
 import pytest
 import trio
 
-from blocks import Chain, EmbeddedStore, open_chain
+from blocks import (
+    Chain,
+    EmbeddedStore,
+    Keyring,
+    SessionConfig,
+    TokenIssuer,
+    TokenKey,
+    TokenVerifier,
+    WorkerSessionConfig,
+    open_chain,
+)
 from blocks.autoscaler import (
     AutoscalePolicy,
     Autoscaler,
@@ -524,15 +536,132 @@ async def test_a_bug_in_a_replica_task_comes_out_as_itself_not_in_a_group() -> N
     assert replica_keys(store) == []
 
 
-def test_unit_sessions_is_refused_until_the_driver_feeds_it() -> None:
-    policy = AutoscalePolicy({APP: ScalingConfig(target_concurrency=2, unit="sessions")})
+# -- sessions as the unit ------------------------------------------------------------------------------------
 
-    async def main() -> None:
-        async with open_autoscaler(policy, {APP: ReplicaTemplate(command=DEMO)}, EmbeddedStore(), worker=NOWHERE):
-            pass
 
-    with pytest.raises(ValueError, match="unit='sessions' is not fed by the driver"):
-        trio.run(main)
+async def test_a_sessioned_app_follows_its_sessions_and_never_drains_a_replica_that_hosts_one() -> None:
+    """``unit="sessions"``, two per replica: sessions opened through the chain (``POST /.proxyblocks/sessions``,
+    the first one at zero) take the app up to ceil(sessions / 2) replicas; ended, it drains back to zero, the
+    replicas hosting none first, whatever their age."""
+    key = TokenKey.hmac("k1", bytes(range(32)))
+    issuer, verifier = TokenIssuer(key), TokenVerifier(Keyring([key]))
+    scaling = ScalingConfig(
+        target_concurrency=2, max_replicas=5, up_window=0.3, down_window=1.0, idle_timeout=1.0, unit="sessions"
+    )
+    policy = AutoscalePolicy({APP: scaling})
+    template = ReplicaTemplate(command=DEMO, protocol="h2", domains=("*",))
+    auth = {"authorization": "Bearer " + issuer.mint(app=APP, tenant="t", now=time.time(), ttl=300)}
+    hosts: dict[str, str] = {}  # token -> replica, of the sessions open now (one leaves before its DELETE is sent)
+    drained_hosting: list[str] = []
+    pids: set[int] = set()
+    peak = 0
+    with trio.fail_after(90):
+        async with open_chain() as chain:
+            worker_server, worker = await chain.start_worker({}, app=None, sessions=WorkerSessionConfig())
+            address = (chain.host, worker_server.port)
+            async with open_autoscaler(policy, {APP: template}, chain.store, worker=address, config=FAST) as scaler:
+                await chain.start_proxy(
+                    features=[ColdStartGate(scaler, chain.cache)],
+                    sessions=SessionConfig(apps={APP}),
+                    session_issuer=issuer,
+                    session_verifier=verifier,
+                )
+                await chain.start_edge()
+
+                def wanted() -> int:
+                    return scaler.statistics().apps[APP].wanted
+
+                async def watch() -> None:
+                    nonlocal peak
+                    while True:
+                        replicas = policy.statistics(trio.current_time()).apps[APP].replicas
+                        drained_hosting.extend(
+                            name
+                            for name in set(hosts.values())
+                            if name not in replicas or replicas[name].phase == "draining"
+                        )
+                        peak = max(peak, wanted())
+                        pids.update(scaler.statistics().processes.values())
+                        await trio.sleep(0.005)
+
+                async with (
+                    httpx.AsyncClient(base_url=chain.url, trust_env=False, timeout=30) as client,
+                    trio.open_nursery() as watching,
+                ):
+                    watching.start_soon(watch)
+
+                    async def start(n: int) -> list[str]:
+                        placed = []
+                        for _ in range(n):
+                            response = await client.post("/.proxyblocks/sessions", headers=auth)
+                            assert response.status_code == 201, response.text
+                            hosts[response.json()["token"]] = response.json()["replica"]
+                            placed.append(response.json()["replica"])
+                        client.cookies.clear()  # each request below says which session it is
+                        return placed
+
+                    async def end(replica: str) -> None:
+                        for token in [t for t, r in hosts.items() if r == replica]:
+                            del hosts[token]
+                            response = await client.delete(
+                                "/.proxyblocks/sessions", headers={"proxyblocks-session": token}
+                            )
+                            assert response.status_code == 204
+
+                    def settled(n: int) -> bool:
+                        stats = scaler.statistics().apps[APP]
+                        return stats.ready == n == stats.wanted == len(chain.cache.replicas(APP)) and not stats.starting
+
+                    assert await start(1) == ["demo-0"]  # at zero: the start waits for a cold start
+                    assert wanted() == 1
+                    assert await start(2) == ["demo-0", "demo-0"]  # 3 sessions: 2 replicas
+                    await until(lambda: settled(2))
+                    assert (
+                        worker.load()["demo-0"].sessions == 3
+                    )  # the worker counts them on a replica it reaches by route
+                    assert scaler.statistics().apps[APP].sessions == 3
+                    assert await start(2) == ["demo-1", "demo-1"]  # the emptiest; 5 sessions: 3 replicas
+                    await until(lambda: settled(3))
+                    for token, replica in hosts.items():  # every session reaches its replica, as on a listed one
+                        response = await client.get("/", headers={"proxyblocks-session": token})
+                        assert (response.status_code, response.headers["x-replica"]) == (200, replica)
+
+                    # demo-0's sessions end: 2 left, on demo-1, the middle one by age. Down to 1 replica:
+                    # demo-2 and demo-0 go (no session), demo-1 stays although it is newer than demo-0
+                    await end("demo-0")
+                    await until(lambda: settled(1))
+                    await until(lambda: list(scaler.statistics().processes) == ["demo-1"])  # the others stopped
+                    for token in hosts:
+                        response = await client.get("/", headers={"proxyblocks-session": token})
+                        assert (response.status_code, response.headers["x-replica"]) == (200, "demo-1")
+
+                    await end("demo-1")  # none left: idle, to zero
+                    await until(lambda: not scaler.statistics().processes)
+                    assert wanted() == 0
+                    watching.cancel_scope.cancel()
+                starts = scaler.statistics().apps[APP].starts
+            chain.cancel()
+    assert drained_hosting == []  # never a replica hosting a session while another could go
+    assert (peak, starts, len(pids)) == (3, 3, 3)
+    assert not any(alive(pid) for pid in pids)
+    assert [key for key in chain.store.items() if key.startswith("apps/")] == []
+
+
+async def test_a_sessioned_app_whose_worker_keeps_no_sessions_is_warned_of_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "scale by sessions, but their worker keeps none" in r.getMessage()]
+
+    with trio.fail_after(60):
+        async with scaled(ScalingConfig(target_concurrency=2, min_replicas=1, unit="sessions")) as (chain, scaler):
+            await until(lambda: scaler.statistics().apps[APP].ready == 1)
+            async with httpx.AsyncClient(base_url=chain.url, trust_env=False) as client:
+                assert (await client.get("/")).status_code == 200  # the worker reports demo-0 now: no sessions
+            await until(warnings)
+            for _ in range(3):
+                await scaler._wait_round()  # (more reports, no more warnings)
+    assert len(warnings()) == 1
 
 
 async def test_on_entry_the_records_a_killed_driver_left_are_deleted_and_no_others() -> None:

@@ -102,7 +102,9 @@ class AppDriverStatistics:
     """One app as the driver runs it.
 
     ``starting``, ``ready``, ``draining``: its replica processes by phase;
-    ``in_flight``: what the prober last saw on the ready ones; ``waiting``:
+    ``in_flight``: what the prober last saw on the ready ones; ``sessions``:
+    the sessions they host, as their worker reports them (what an app with
+    ``unit="sessions"`` scales by; 0 when the worker keeps none); ``waiting``:
     requests waiting for a cold start; ``starts``: processes started;
     ``failed_starts``: that exited or never answered before they were ready;
     ``restarts``: ready replicas that died and were replaced; ``backoff``:
@@ -117,6 +119,7 @@ class AppDriverStatistics:
     ready: int
     draining: int
     in_flight: int
+    sessions: int
     waiting: int
     starts: int
     failed_starts: int

@@ -6,7 +6,8 @@ puts them on trio's clock, on processes and on the route store.
 lifetime, never a request's):
 
 - a prober (:func:`~blocks.prober.open_prober`) polling the worker in front
-  of the replicas, whose in-flight figures feed the policy each round;
+  of the replicas, whose in-flight figures (or session counts, for an app
+  with ``unit="sessions"``) feed the policy each round;
 - the decision loop: once a round, or at once when something changes (a
   cold start, a replica that died or came up), it asks the policy and
   carries out the decision; each round it also retries the store deletes
@@ -102,9 +103,12 @@ class Autoscaler:
     _round_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _round_sent: float = attrs.field(init=False, default=-math.inf)  # when the poll behind the last round was sent
     _open: bool = attrs.field(init=False, default=False)
+    _by_sessions: frozenset[str] = attrs.field(init=False)  # the apps with unit="sessions"
+    _warned: bool = attrs.field(init=False, default=False)  # that their worker keeps no sessions
 
     def __attrs_post_init__(self) -> None:
         self._apps = {app: AppState(template) for app, template in self.templates.items()}
+        self._by_sessions = frozenset(app for app in self.templates if self.policy.config(app).unit == "sessions")
 
     def __repr__(self) -> str:
         return f"<Autoscaler worker={format_address(self.worker)} replicas={len(self._replicas)}>"
@@ -236,6 +240,7 @@ class Autoscaler:
                 ready=phases.count("ready"),
                 draining=phases.count("draining"),
                 in_flight=policy[app].in_flight,
+                sessions=policy[app].sessions,
                 waiting=state.waiting,
                 starts=state.starts,
                 failed_starts=state.failed_starts,
@@ -253,26 +258,40 @@ class Autoscaler:
     # -- the decision loop -------------------------------------------------------------------
 
     def _on_report(self, report: LoadReport, taken_at: float) -> None:
-        for name, load in report.replicas.items():
-            if load.sessions is not None:
-                self._sessions[name] = load.sessions
+        # The one worker's word on every replica it keeps sessions for (those it reached by
+        # their route included): a replica it no longer lists hosts none.
+        self._sessions = {name: load.sessions for name, load in report.replicas.items() if load.sessions}
+        if not self._warned and self._by_sessions and any(load.sessions is None for load in report.replicas.values()):
+            self._warned = True
+            log.warning(
+                "apps %s scale by sessions, but their worker keeps none (serve_worker(sessions=...)): "
+                "they scale on requests waiting for a cold start and on idleness only",
+                sorted(self._by_sessions),
+            )
         self._round_sent = max(self._round_sent, taken_at)
 
     def _feed(self, now: float) -> None:
-        """The prober's figures into the policy: per replica, and per app."""
+        """The prober's figures into the policy: per replica, and per app (requests, or sessions: its unit)."""
         for app, state in self._apps.items():
             if state.waiting:
                 self.policy.touch(app, now)  # requests wait for a replica: the app is anything but idle
-            total = 0
+            requests = sessions = 0
             for name in state.replicas:
                 phase = self._replicas[name].phase
                 if phase == "starting":
                     continue
                 in_flight = self.estimator.estimate(name)
-                self.policy.load(app, name, in_flight, self._sessions.get(name, 0))
+                hosted = self._sessions.get(name, 0)
+                self.policy.load(app, name, in_flight, hosted)
                 if phase == "ready":
-                    total += in_flight
-            self.policy.record(app, total, now)
+                    requests += in_flight
+                    sessions += hosted
+            if app in self._by_sessions:
+                if requests:
+                    self.policy.touch(app, now)  # requests in flight: not idle, whatever the sessions
+                self.policy.record(app, sessions, now)
+            else:
+                self.policy.record(app, requests, now)
 
     def _decide(self, app: str) -> None:
         """Ask the policy about ``app`` and carry the decision out (synchronously: tasks do the I/O)."""
@@ -455,8 +474,11 @@ async def open_autoscaler(
     replica process and deletes every record it wrote (see the module's
     guarantees for a store that does not answer).
 
-    ``ValueError`` for an app with ``unit="sessions"``: the driver has no
-    per-replica session counts to feed it yet (docs/autoscaler.md, limits).
+    An app with ``unit="sessions"`` scales by the sessions its ready
+    replicas host, as the worker reports them: give the worker
+    ``sessions=WorkerSessionConfig(...)`` and the proxy ``sessions=``
+    (the worker keeps the sessions of the replicas it reaches by their
+    route, :meth:`blocks.Worker.take_on`).
     """
     apps = list(policy.apps)
     if policy.default is not None:
@@ -464,12 +486,6 @@ async def open_autoscaler(
     missing = [app for app in apps if app not in templates]
     if missing:
         raise ValueError(f"no replica template for app {missing[0]!r}")
-    for app in apps:
-        if policy.config(app).unit == "sessions":
-            raise ValueError(
-                f"app {app!r}: unit='sessions' is not fed by the driver yet (its worker reports no sessions "
-                "for the replicas it reaches by their route): scale it by requests"
-            )
     config = config or DriverConfig()
     prober = prober or ProberConfig(interval=config.interval, timeout=min(0.5, config.interval))
     # (one_error at both ends: open_upstreams adds a group of its own around what crosses it)
