@@ -37,6 +37,8 @@ import trio
 
 from blocks.observe import LEVELS as _LOG_LEVELS
 from blocks.observe import configure_logging
+from blocks.transport.streams import CODECS as _CODECS
+from blocks.transport.streams import CodecUnavailable, use_codec
 
 
 @attrs.frozen(kw_only=True)
@@ -85,6 +87,8 @@ class _Supervised:
 
 
 SUPERVISED_VARIABLE = "PROXYBLOCKS_PROCESS"
+CODEC_VARIABLE = "PROXYBLOCKS_CODEC"
+"""The default of every command's ``--codec``: the HTTP/2 codec (``h2``, ``nghttp2`` or ``auto``)."""
 
 
 @functools.cache
@@ -162,6 +166,12 @@ class CommandParser(argparse.ArgumentParser):
             help="the hops that log, of edge,proxy,worker (default: the front-most hop this process runs)",
         )
         self.add_argument("--log-level", type=str.lower, choices=_LOG_LEVELS, default="warning", help="what is logged")
+        self.add_argument(
+            "--codec",
+            choices=_CODECS,
+            default=os.environ.get(CODEC_VARIABLE) or "h2",
+            help=f"HTTP/2 codec: hyper-h2, libnghttp2, or libnghttp2 where it loads (default: ${CODEC_VARIABLE}, h2)",
+        )
         self._raising = False
 
     def add_serving_flags(self, *, tls: bool = True, grace: float = 10.0) -> None:
@@ -216,6 +226,11 @@ class CommandParser(argparse.ArgumentParser):
             self.error("--cert and --key go together")
         if getattr(parsed, "tls", False) and getattr(parsed, "processes", 1) > 1:
             self.error("--tls makes a certificate in each process: with --processes, use --cert and --key")
+        try:
+            use_codec(parsed.codec)  # (codec_in_use() says which, for auto)
+        except (CodecUnavailable, ValueError) as exc:
+            self.error(f"--codec {parsed.codec}: {exc}")
+        del parsed.codec
         if not self._raising:
             configure_logging(parsed.log_level)
         slot = _supervised()
@@ -541,6 +556,7 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
 
 
 __all__ = [
+    "CODEC_VARIABLE",
     "CommandParser",
     "Drainable",
     "Operations",

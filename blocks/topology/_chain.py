@@ -44,6 +44,7 @@ from blocks.sources import EmbeddedStore, RouteSource, reconcile
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.topology._records import LOOPBACK, App, route_records
 from blocks.transport.listener import HTTPServer, ListenerConfig
+from blocks.transport.streams import codec_in_use
 from blocks.transport.tls import server_context
 
 ServeReplica = Callable[..., Awaitable[None]]
@@ -436,5 +437,7 @@ async def serve_chain(
                 print(f"{part} listening on h2c://{host}:{server.port}", flush=True)
             if chain.admin is not None and not supervised:
                 print(f"admin listening on http://{host}:{chain.admin.port}", flush=True)
+            if not supervised:
+                print(f"http/2 codec: {codec_in_use()}", flush=True)
         task_status.started(chain)
         await trio.sleep_forever()

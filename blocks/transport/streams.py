@@ -4,7 +4,8 @@
   :class:`H2Stream`, their books :class:`H2ConnectionStatistics`), the one
   function that acknowledges received DATA (:func:`acknowledge`), and the
   codec contract the driver holds (:class:`Codec`, :class:`CodecSettings`,
-  :class:`EventKind`);
+  :class:`EventKind`), and the choice of codec (:func:`use_codec`,
+  :func:`codec_in_use`, :data:`CODECS`, :class:`CodecUnavailable`);
 - the fast path: :data:`Relay` (a hop's ``relay``), :data:`HeadFilter` (a
   splice's rewrite of the response head), :class:`Sink` (what an upstream
   stream's frames are relayed into);
@@ -16,7 +17,7 @@
 They live in private modules of :mod:`blocks.transport`; import them from here.
 """
 
-from blocks.transport._codec import Codec, CodecSettings, EventKind
+from blocks.transport._codec import CODECS, Codec, CodecSettings, CodecUnavailable, EventKind, codec_in_use, use_codec
 from blocks.transport._h1 import H1Stream
 from blocks.transport._h2 import H2ConnectionStatistics, H2Driver, H2Stream, Relay, acknowledge
 from blocks.transport._splice import HeadFilter, Sink
@@ -24,10 +25,12 @@ from blocks.transport._tap import TappedBody, Tee, tap_splice
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, new_key
 
 __all__ = [
+    "CODECS",
     "KEY_FIELDS",
     "WEBSOCKET_VERSION",
     "Codec",
     "CodecSettings",
+    "CodecUnavailable",
     "EventKind",
     "H1Stream",
     "H2ConnectionStatistics",
@@ -39,6 +42,8 @@ __all__ = [
     "TappedBody",
     "Tee",
     "acknowledge",
+    "codec_in_use",
     "new_key",
     "tap_splice",
+    "use_codec",
 ]

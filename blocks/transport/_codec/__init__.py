@@ -105,19 +105,24 @@ Where each piece is
 - ``_settings``: the settings table (:class:`CompactSettings`).
 """
 
+from blocks.transport._codec._choice import CODECS, CodecUnavailable, codec_in_use, make_h2, use_codec
 from blocks.transport._codec._closed import CLOSED_STREAMS
+from blocks.transport._codec._closed import _ClosedStreams as ClosedStreams
 from blocks.transport._codec._contract import Codec, CodecSettings, ErrorCodes, EventKind, ProtocolError
 from blocks.transport._codec._guard import HEADER_LIST_HARD_CAP, MAX_CONTINUATIONS, GuardedFrameBuffer
-from blocks.transport._codec._h2codec import H2Codec, make_h2
+from blocks.transport._codec._h2codec import H2Codec, make_hyper_h2
 from blocks.transport._codec._hpack import CheckedDecoder, CompressionError, PlainEncoder
 from blocks.transport._codec._settings import CompactSettings
 
 __all__ = [
     "CLOSED_STREAMS",
+    "CODECS",
     "HEADER_LIST_HARD_CAP",
     "MAX_CONTINUATIONS",
     "CheckedDecoder",
+    "ClosedStreams",
     "Codec",
+    "CodecUnavailable",
     "CodecSettings",
     "CompactSettings",
     "CompressionError",
@@ -127,5 +132,8 @@ __all__ = [
     "H2Codec",
     "PlainEncoder",
     "ProtocolError",
+    "codec_in_use",
     "make_h2",
+    "make_hyper_h2",
+    "use_codec",
 ]

@@ -93,18 +93,33 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
 
     def _update_header_buffer(self, f: Any) -> Any:
         kind = f.type
+        flags = f.flags
+        self.check(
+            kind,
+            len(f.data) if kind <= 1 or kind == 9 else 0,
+            "END_STREAM" in flags or "END_HEADERS" in flags,
+            "ACK" in flags if self._first else False,
+        )
+        return super()._update_header_buffer(f)
+
+    def check(self, kind: int, length: int, ends: bool, ack: bool = False) -> None:
+        """One frame against the limits, from its header: its ``kind`` (type), the ``length`` of what it
+        carries (a DATA payload or header-block fragment, padding and priority fields not counted),
+        whether it ``ends`` a stream or a header block, whether it is an ``ack``.
+
+        Every codec's server calls it once per frame received, before acting on the frame.
+        """
         if self._first:
-            if kind != 0x4 or "ACK" in f.flags:
+            if kind != 0x4 or ack:
                 raise h2.exceptions.ProtocolError("the client's preface does not go on with SETTINGS")
             self._first = False
         if kind <= 1 or kind == 9:  # DATA, HEADERS, CONTINUATION
-            data = f.data
             if kind:
                 if kind == 1:
-                    self._block = len(data)
+                    self._block = length
                     self._parts = 0
                 else:
-                    self._block += len(data)
+                    self._block += length
                     self._parts += 1
                     if self._parts > MAX_CONTINUATIONS:
                         raise h2.exceptions.DenialOfServiceError(
@@ -112,7 +127,7 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
                         )
                 if self._block > self.max_header_block:
                     raise h2.exceptions.DenialOfServiceError(f"header block over {self.max_header_block} bytes")
-            if data or "END_STREAM" in f.flags or "END_HEADERS" in f.flags:
+            if length or ends:
                 self._empty = 0
             else:
                 self._empty += 1
@@ -120,7 +135,6 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
                     raise h2.exceptions.DenialOfServiceError(f"more than {self.max_empty} empty frames in a row")
         elif kind in _CONTROL_FRAMES or kind > 9:
             self.control_frame()
-        return super()._update_header_buffer(f)
 
     def control_frame(self) -> None:
         """Count one control frame; raise once there are too many in the window."""

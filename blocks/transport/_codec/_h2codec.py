@@ -1,5 +1,5 @@
 """The hyper-h2 codec: :class:`H2Codec`, an ``H2Connection`` with what :class:`Codec` adds and the
-DATA fast paths, and :func:`make_h2`, which makes one for one side of one hop."""
+DATA fast paths, and :func:`make_hyper_h2`, which makes one for one side of one hop."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from blocks.transport._codec._stream import _LengthUncheckedStream
 
 
 class H2Codec(h2.connection.H2Connection):
-    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_h2`.
+    """The hyper-h2 codec: an ``H2Connection`` with the few members :class:`Codec` adds. Made by :func:`make_hyper_h2`.
 
     It also takes the common DATA frame off h2's general path, both ways,
     because a token stream (an LLM's, a voice agent's) is many small DATA
@@ -63,6 +63,7 @@ class H2Codec(h2.connection.H2Connection):
     ``tests/test_h2_internals.py`` checks the h2 internals both read.
     """
 
+    name = "h2"
     event_kinds: ClassVar[Mapping[type, EventKind]] = {
         h2.events.RequestReceived: EventKind.REQUEST,
         h2.events.ResponseReceived: EventKind.RESPONSE,
@@ -260,7 +261,7 @@ _OUTLIVE_GOAWAY = {
 }
 
 
-def make_h2(
+def make_hyper_h2(
     *,
     client_side: bool,
     max_concurrent_streams: int,
