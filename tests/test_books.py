@@ -49,6 +49,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from blocks import ListenerConfig, Request, Response, UpstreamConfig
+from blocks.transport._codec import EventKind
 from blocks.transport._h2server import H2ServerConnection
 from blocks.transport.multiplexer._h2pool import H2ClientConnection, _H2Pool
 
@@ -183,6 +184,8 @@ class Ledger:
     @classmethod
     def watch(cls, driver: Any) -> Ledger:
         ledger = cls()
+        if not hasattr(driver.h2, "_inbound_flow_control_window_manager"):
+            return cls._watch_contract(driver.h2, ledger)
         window = driver.h2._inbound_flow_control_window_manager
         consumed, processed = window.window_consumed, window.process_bytes
 
@@ -195,6 +198,29 @@ class Ledger:
             return processed(size)
 
         window.window_consumed, window.process_bytes = window_consumed, process_bytes
+        return ledger
+
+    @staticmethod
+    def _watch_contract(codec: Any, ledger: Ledger) -> Ledger:
+        """A codec without h2's window manager (libnghttp2's): counted at the contract, the DATA its
+        events report and the bytes the driver gives back (the library clips an over-acknowledgement
+        too, so these counts are the ones that catch it)."""
+        receive, acknowledge = codec.receive_data, codec.acknowledge_received_data
+        kinds = codec.event_kinds
+
+        def receive_data(data: bytes) -> Any:
+            evs = receive(data)
+            for ev in evs:
+                if kinds.get(type(ev)) is EventKind.DATA:
+                    ledger.received += ev.flow_controlled_length
+            return evs
+
+        def acknowledge_received_data(size: int, sid: int) -> Any:
+            if size > 0:
+                ledger.acknowledged += size
+            return acknowledge(size, sid)
+
+        codec.receive_data, codec.acknowledge_received_data = receive_data, acknowledge_received_data
         return ledger
 
 

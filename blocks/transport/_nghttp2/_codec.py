@@ -133,7 +133,8 @@ class NgCodec:
         self._block_size = 0
         self._chunks: list[bytes] = []  # the DATA frame being received
         self._heads: set[int] = set()  # streams whose head (request or final response) was received
-        self._reset_reported: set[int] = set()
+        self._opened: set[int] = set()  # (a client's) streams it opened, until they close
+        self._reset_reported: set[int] = set()  # streams reset (by either side, or the library) and open
         self._out: dict[int, _Out] = {}  # streams with a DATA source at the session
         self._unframed = 0  # the bytes in their sources
         self._sent = bytearray()  # taken from the session early (to keep frames in order), not sent yet
@@ -146,8 +147,10 @@ class NgCodec:
         self._scan_last = 0  # (guard) the highest stream the client opened
         self._scan_new: set[int] = set()  # (guard) the streams opened in the read being scanned
         self._peer_reset = ClosedStreams(CLOSED_STREAMS)  # (guard) streams the client reset
-        self._closed = ClosedStreams(CLOSED_STREAMS)  # streams closed, remembered as h2 does
-        self._late: list[int] = []  # (guard) streams to answer with RST_STREAM(STREAM_CLOSED) after a read
+        # streams closed, remembered as h2 does (its name, its bound): True for one closed by a reset
+        self._closed_streams = ClosedStreams(CLOSED_STREAMS)
+        # (guard) streams to answer with RST_STREAM(STREAM_CLOSED), each with where its late frame ends in the read
+        self._late: list[tuple[int, int]] = []
         self._peer_window = 65535  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
         self._handle = ffi.new_handle(self)
         option = ffi.new("nghttp2_option **")
@@ -219,17 +222,18 @@ class NgCodec:
         error: ProtocolError | None = None
         if self.guard is not None:
             limit, error = self._scan(data)
+        elif self.client_side:
+            limit, error = self._scan_late(data)
         if limit:
             if type(data) is not bytes or limit < len(data):
                 data = bytes(data[:limit])
-            rv = lib.nghttp2_session_mem_recv(self._session, data, limit)
-            self._events = []
-            if rv < 0:
-                raise self._fatal(rv)
             if self._late:
-                for sid in self._late:
-                    _check(lib.nghttp2_submit_rst_stream(self._session, 0, sid, ErrorCodes.STREAM_CLOSED))
-                self._late.clear()
+                self._receive_answering_late(data, limit)
+            else:
+                rv = lib.nghttp2_session_mem_recv(self._session, data, limit)
+                self._events = []
+                if rv < 0:
+                    raise self._fatal(rv)
         if error is not None:
             self._terminate(getattr(error, "error_code", ErrorCodes.PROTOCOL_ERROR))
             raise error
@@ -240,6 +244,30 @@ class NgCodec:
             self._terminated = True
             raise NgProtocolError(self._error_message or "the peer broke the protocol", self._goaway_code)
         return evs
+
+    def _receive_answering_late(self, data: bytes, limit: int) -> None:
+        """``data`` to the session in pieces, each ending with a late frame (``_scan_stream``), whose
+        RST_STREAM(STREAM_CLOSED) is framed then: the library frames its answers (a PING's ACK) ahead of
+        what is submitted later, and the answers are to go out in the order of the frames they answer."""
+        session = self._session
+        start = 0
+        try:
+            for sid, end in self._late:
+                end = min(end, limit)
+                if end > start:
+                    rv = lib.nghttp2_session_mem_recv(session, data[start:end], end - start)
+                    if rv < 0:
+                        raise self._fatal(rv)
+                    start = end
+                _check(lib.nghttp2_submit_rst_stream(session, 0, sid, ErrorCodes.STREAM_CLOSED))
+                self._take()
+            if start < limit:
+                rv = lib.nghttp2_session_mem_recv(session, data[start:], limit - start)
+                if rv < 0:
+                    raise self._fatal(rv)
+        finally:
+            self._late.clear()
+            self._events = []
 
     def _fatal(self, rv: int) -> ProtocolError:
         """The library stopped (a callback failed, a flood of its own counting): GOAWAY, and the error."""
@@ -277,10 +305,12 @@ class NgCodec:
         self._scan_new.clear()
         pos = min(self._scan_skip, size)
         self._scan_skip -= pos
+        unpack = _unpack_head
+        heads = self._heads
+        peer_reset = self._peer_reset
         while pos + 9 <= size:
-            length = int.from_bytes(data[pos : pos + 3])
-            kind = data[pos + 3]
-            flags = data[pos + 4]
+            high, low, kind, flags, sid = unpack(data, pos)
+            length = high << 16 | low
             ends = False
             carried = 0
             if kind <= 1 or kind == 9:
@@ -292,8 +322,8 @@ class NgCodec:
                 ends = bool((kind != 9 and flags & 0x1) or (kind and flags & 0x4))
             try:
                 guard.check(kind, max(carried, 0), ends, bool(flags & 0x1) if kind == 4 else False)
-                if kind <= 3:
-                    self._scan_stream(kind, int.from_bytes(data[pos + 5 : pos + 9]) & 0x7FFFFFFF)
+                if kind <= 3 and (kind or sid not in heads or sid in peer_reset):  # (not DATA on an open stream)
+                    self._scan_stream(kind, sid & 0x7FFFFFFF, pos + 9 + length - len(head))
             except ProtocolError as exc:
                 self._scan_head = b""
                 return max(pos - len(head), 0), exc
@@ -305,32 +335,82 @@ class NgCodec:
             self._scan_head = bytes(data[pos:])
         return size - len(head), None
 
-    def _scan_stream(self, kind: int, sid: int) -> None:
+    def _scan_stream(self, kind: int, sid: int, end: int) -> None:
         """What the library is lax about, from a frame's header: RFC 9113 5.1.1 (a new stream's id above
-        every one opened: else a connection error) and 5.1 (a frame after the peer's RST_STREAM: the
-        stream's error STREAM_CLOSED; the library ignores both)."""
+        every one opened: else a connection error) and 5.1 (a frame after the peer's RST_STREAM, DATA or
+        HEADERS on a closed stream: the stream's error STREAM_CLOSED, HEADERS on a stream the peer had
+        ended: the connection's; the library ignores them all), as hyper-h2 answers them."""
         if kind == 3:  # RST_STREAM
             self._peer_reset[sid] = True
             return
         if kind == 2:  # PRIORITY: allowed on any stream
             return
         if sid in self._peer_reset:
-            self._late.append(sid)
+            self._late.append((sid, end))
             return
-        if kind != 1 or not sid & 1:
+        if not sid & 1:
             return
         if sid > self._scan_last:
-            self._scan_last = sid
-            self._scan_new.add(sid)
+            if kind == 1:
+                self._scan_last = sid
+                self._scan_new.add(sid)
+            return  # (DATA on an idle stream: the library's connection error)
+        if sid in self._heads or sid in self._scan_new:
+            return  # open (the common case, DATA on a stream whose request came)
+        if lib.nghttp2_session_find_stream(self._session, sid) != ffi.NULL:
             return
-        if (
-            sid in self._scan_new  # (opened earlier in this read: the library has yet to see it)
-            or sid in self._closed
-            or sid <= self._closed.forgotten[1]
-            or lib.nghttp2_session_find_stream(self._session, sid) != ffi.NULL
-        ):
-            return
-        raise NgProtocolError(f"stream {sid} opened after stream {self._scan_last}")
+        closed = self._closed_streams
+        by_reset = closed.get(sid)
+        if by_reset is None:
+            if kind == 1 and sid > closed.forgotten[1]:
+                raise NgProtocolError(f"stream {sid} opened after stream {self._scan_last}")
+            by_reset = True  # forgotten: taken for one we reset
+        if kind == 1 and not by_reset:
+            raise NgProtocolError(f"HEADERS on stream {sid}, which the client ended", ErrorCodes.STREAM_CLOSED)
+        self._late.append((sid, end))
+
+    def _scan_late(self, data: bytes | bytearray) -> tuple[int, ProtocolError | None]:
+        """A client's scan of the frame headers in ``data``: DATA or HEADERS on a stream it closed and the
+        library forgot (RFC 9113 5.1: the server sent them before our RST_STREAM reached it) is answered
+        with RST_STREAM(STREAM_CLOSED), as hyper-h2 answers it; the library would ignore it. Only a
+        HEADERS frame that opens no known response costs more than the loop."""
+        head = self._scan_head
+        if head:
+            data = head + data
+        size = len(data)
+        pos = min(self._scan_skip, size)
+        self._scan_skip -= pos
+        heads = self._heads
+        opened = self._opened
+        unpack = _unpack_head
+        while pos + 9 <= size:
+            high, low, kind, _, sid = unpack(data, pos)
+            length = high << 16 | low
+            if kind <= 1 and sid not in heads and sid not in opened:
+                try:
+                    self._late_on_client(kind, sid & 0x7FFFFFFF, pos + 9 + length - len(head))
+                except ProtocolError as exc:
+                    self._scan_head = b""
+                    return max(pos - len(head), 0), exc
+            pos += 9 + length
+        if pos > size:
+            self._scan_skip = pos - size
+            self._scan_head = b""
+        else:
+            self._scan_head = bytes(data[pos:])
+        return size - len(head), None
+
+    def _late_on_client(self, kind: int, sid: int, end: int) -> None:
+        closed = self._closed_streams
+        by_reset = closed.get(sid)
+        if by_reset is None:
+            if not sid & 1 or sid > closed.forgotten[1]:
+                return  # (on a stream never opened: the library's to answer)
+            by_reset = True  # (a forgotten stream is taken for one we reset)
+        if kind == 1 and not by_reset:
+            # (h2's answer, a connection error: the library's would be to ignore the frame)
+            raise NgProtocolError(f"HEADERS on stream {sid}, which has ended", ErrorCodes.STREAM_CLOSED)
+        self._late.append((sid, end))
 
     # -- bytes out -----------------------------------------------------------------
 
@@ -405,6 +485,7 @@ class NgCodec:
             _check(opened)
             if opened != stream_id:
                 raise NgProtocolError(f"stream {stream_id} is not the next one ({opened})")
+            self._opened.add(stream_id)
             self._take()  # (the session opens the stream as it frames the HEADERS: DATA may follow now)
             return
         if not self.stream_is_open(stream_id):
@@ -447,6 +528,7 @@ class NgCodec:
         self._take()
         self._drop(stream_id)
         _check(lib.nghttp2_submit_rst_stream(self._session, 0, stream_id, int(error_code)))
+        self._reset_reported.add(stream_id)
 
     def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
         if acknowledged_size <= 0 or self._terminated:
@@ -590,8 +672,9 @@ class NgCodec:
                     raise self._error
 
     def _on_stream_close(self, stream_id: int) -> None:
-        self._closed[stream_id] = True
+        self._closed_streams[stream_id] = stream_id in self._reset_reported
         self._heads.discard(stream_id)
+        self._opened.discard(stream_id)
         self._reset_reported.discard(stream_id)
         self._drop(stream_id)
 
@@ -752,6 +835,7 @@ _NV_PACKED = (
     and [ffi.offsetof("nghttp2_nv", f) for f in ("name", "value", "namelen", "valuelen", "flags")] == [0, 8, 16, 24, 32]
 )
 _pack = struct.pack
+_unpack_head = struct.Struct(">BHBBL").unpack_from  # a frame header: its length (high, low), type, flags, stream
 
 
 def _codec_of(user_data: Any) -> NgCodec:
