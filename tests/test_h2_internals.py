@@ -71,6 +71,7 @@ def test_the_frame_buffer_still_buffers_in_data_and_parses_headers_in_one_method
     assert bytes(guard._data) == b"\x00\x00\x00", "GuardedFrameBuffer reads the frame header from _data"
 
 
+@pytest.mark.codec("h2")  # (h2's inbound WindowManager, where H2Codec.inbound_books reads its books)
 def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
     server = make_h2(client_side=False, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
     window = relied_on(
@@ -92,6 +93,7 @@ def test_the_inbound_window_books_are_where_statistics_read_them() -> None:
     assert driver.statistics().unacknowledged == 0
 
 
+@pytest.mark.codec("h2")  # (h2's connection state machine, which H2Codec.reopen_after_goaway writes)
 def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
     for side in (True, False):
         codec = make_h2(client_side=side, max_concurrent_streams=10, stream_window=65535, max_header_list_size=65536)
@@ -108,6 +110,7 @@ def test_the_connection_state_is_where_reopen_after_goaway_writes_it() -> None:
         assert codec.state_machine.state is opened
 
 
+@pytest.mark.codec("h2")  # (H2Codec's outliving state machine and h2's PingReceived event)
 def test_the_outliving_state_machine_takes_the_frames_behind_a_goaway() -> None:
     codec = make_h2(
         client_side=True,
@@ -145,6 +148,8 @@ def _client_frames(*blocks: tuple[int, list[tuple[bytes, bytes]], bool]) -> byte
     return data
 
 
+# (h2's own connection errors, which _stream.py patches; h2's event classes; the :status H2Codec empties for h2)
+@pytest.mark.codec("h2")
 def test_a_malformed_requests_headers_frame_is_its_streams_error_on_a_validating_server() -> None:
     where = "blocks/transport/_codec/_stream.py (_LengthUncheckedStream.receive_headers)"
     receive = relied_on(h2.stream.H2Stream, "receive_headers", where)
@@ -263,6 +268,7 @@ def test_h2_takes_a_header_block_in_max_continuations_frames_and_no_more(continu
 
 
 @pytest.mark.parametrize("count_streams", [True, False])
+@pytest.mark.codec("h2")  # (h2's source, its TooManyStreamsError and local_settings)
 def test_h2_refuses_streams_past_the_limit_it_reads_from_the_local_settings(count_streams: bool) -> None:
     source = inspect.getsource(h2.connection.H2Connection._receive_headers_frame)
     assert "self.local_settings.max_concurrent_streams" in source, (
@@ -357,6 +363,7 @@ def _values(settings: h2.settings.Settings) -> dict[int, int | None]:
     return out
 
 
+@pytest.mark.codec("h2")  # (h2's stream and connection state tables and books, read by H2Codec's fast paths)
 def test_the_data_fast_paths_read_what_h2_keeps_where_they_read_it() -> None:
     """``H2Codec.receive_data``, ``send_data`` and ``acknowledge_received_data`` (the token-stream fast paths)
     charge h2's own books and skip only transitions that leave a state as it was."""

@@ -586,6 +586,10 @@ class NgCodec:
             chunks = self._chunks
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
+            if len(data) != hd.length:
+                # Padded, or behind the chunks of a frame the library dropped without a word (its stream
+                # closed while the frame was coming in): this frame's own bytes are the last ones.
+                data = data[len(data) - (hd.length - frame.data.padlen) :]
             ended = True if hd.flags & _END_STREAM else None
             self._received += len(data)
             last = evs[-1] if evs else None
