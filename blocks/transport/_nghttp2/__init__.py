@@ -28,8 +28,10 @@ from blocks.transport._nghttp2._codec import NgCodec, NgProtocolError, NgStreamC
 
 __all__ = ["NgCodec", "NgProtocolError", "NgStreamClosedError", "make_nghttp2"]
 
+_HEADER_TABLE_SIZE = 1
 _MAX_CONCURRENT_STREAMS = 3
 _INITIAL_WINDOW_SIZE = 4
+_MAX_FRAME_SIZE = 5
 _MAX_HEADER_LIST_SIZE = 6
 _ENABLE_PUSH = 2
 _ENABLE_CONNECT_PROTOCOL = 8
@@ -64,9 +66,11 @@ def make_nghttp2(
         (_INITIAL_WINDOW_SIZE, stream_window),
         (_MAX_HEADER_LIST_SIZE, max_header_list_size),
         (_ENABLE_PUSH, 0),
+        # (the library's values, sent as hyper-h2 sends them: a peer reads every limit in the first SETTINGS)
+        (_HEADER_TABLE_SIZE, 4096),
+        (_MAX_FRAME_SIZE, 16384),
+        (_ENABLE_CONNECT_PROTOCOL, int(connect_protocol)),
     ]
-    if connect_protocol:
-        settings.append((_ENABLE_CONNECT_PROTOCOL, 1))
     return NgCodec(
         client_side=client_side,
         settings=settings,

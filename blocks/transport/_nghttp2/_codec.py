@@ -63,6 +63,7 @@ _MAX_WINDOW = 2**31 - 1
 _SETTINGS_MAX_CONCURRENT_STREAMS = 3
 _SETTINGS_ENABLE_CONNECT_PROTOCOL = 8
 _NO_STREAMS_LIMIT = 2**31 - 1
+_NO_ACK_LIMIT = 2**31 - 1
 _MAX_CONTINUATIONS = 63  # (the guard's MAX_CONTINUATIONS, for a client, where the library has the option)
 
 
@@ -141,6 +142,7 @@ class NgCodec:
         self._received = 0  # DATA bytes reported to the driver
         self._acknowledged = 0  # of those, given back
         self._terminated = False
+        self._overflowed = 0  # a stream the library reset for DATA past its window (a connection error)
         # (guard) bytes of the frame being scanned still to come: first, the client's preface
         self._scan_skip = 0 if client_side else 24
         self._scan_head = b""  # (guard) a frame header cut by the end of a read
@@ -159,6 +161,10 @@ class NgCodec:
         lib.nghttp2_option_set_no_auto_window_update(opt, 1)
         lib.nghttp2_option_set_no_http_messaging(opt, 1)
         lib.nghttp2_option_set_no_closed_streams(opt, 1)
+        # The library fails a session past 1,000 answers (PING and SETTINGS ACKs) queued and not taken;
+        # the codec takes them after every read, so they are bounded by a read, and the limits on
+        # control frames are the guard's (flood_limit) and the driver's (max_outbound_buffer).
+        lib.nghttp2_option_set_max_outbound_ack(opt, _NO_ACK_LIMIT)
         lib.nghttp2_option_set_max_send_header_block_length(opt, max(header_list_cap, 65536))
         if client_side:
             # (our streams are counted by the pool: the library should hold none back)
@@ -240,6 +246,9 @@ class NgCodec:
         # The library queues its GOAWAY for a connection error and goes on: take what it queued, and
         # if that ended the session, the error is the connection's.
         self._take()
+        if self._overflowed:
+            self._terminate(ErrorCodes.FLOW_CONTROL_ERROR)
+            raise NgProtocolError(f"DATA past stream {self._overflowed}'s window", ErrorCodes.FLOW_CONTROL_ERROR)
         if not lib.nghttp2_session_want_read(self._session) and self._goaway_sent():
             self._terminated = True
             raise NgProtocolError(self._error_message or "the peer broke the protocol", self._goaway_code)
@@ -675,8 +684,13 @@ class NgCodec:
                     )
                     raise self._error
 
-    def _on_stream_close(self, stream_id: int) -> None:
-        self._closed_streams[stream_id] = stream_id in self._reset_reported
+    def _on_stream_close(self, stream_id: int, error_code: int) -> None:
+        by_reset = stream_id in self._reset_reported
+        self._closed_streams[stream_id] = by_reset
+        if error_code == ErrorCodes.FLOW_CONTROL_ERROR and not by_reset:
+            # The library resets a stream that overflowed its window, without a word: hyper-h2 fails
+            # the connection (RFC 9113 6.9.1 allows either), and so does the codec (receive_data).
+            self._overflowed = stream_id
         self._heads.discard(stream_id)
         self._opened.discard(stream_id)
         self._reset_reported.discard(stream_id)
@@ -880,7 +894,7 @@ def _on_invalid_frame(session: Any, frame: Any, lib_error: int, user_data: Any) 
 
 
 def _on_stream_close(session: Any, stream_id: int, error_code: int, user_data: Any) -> int:
-    _codec_of(user_data)._on_stream_close(stream_id)
+    _codec_of(user_data)._on_stream_close(stream_id, error_code)
     return 0
 
 
