@@ -133,6 +133,7 @@ class NgCodec:
         self._block: list[tuple[bytes, bytes]] = []  # the header block being received
         self._block_size = 0
         self._chunks: list[bytes] = []  # the DATA frame being received
+        self._runs: dict[int, Any] = {}  # per stream, the DataReceived its DATA of this read is joined into
         self._heads: set[int] = set()  # streams whose head (request or final response) was received
         self._opened: set[int] = set()  # (a client's) streams it opened, until they close
         self._reset_reported: set[int] = set()  # streams reset (by either side, or the library) and open
@@ -141,6 +142,7 @@ class NgCodec:
         self._sent = bytearray()  # taken from the session early (to keep frames in order), not sent yet
         self._received = 0  # DATA bytes reported to the driver
         self._acknowledged = 0  # of those, given back
+        self._padding: dict[int, int] = {}  # padding received per stream, that the library gave back itself
         self._terminated = False
         self._overflowed = 0  # a stream the library reset for DATA past its window (a connection error)
         # (guard) bytes of the frame being scanned still to come: first, the client's preface
@@ -224,6 +226,7 @@ class NgCodec:
         if self._terminated:
             return []
         evs = self._events = []
+        self._runs = {}
         limit = len(data)
         error: ProtocolError | None = None
         if self.guard is not None:
@@ -543,6 +546,14 @@ class NgCodec:
         if acknowledged_size <= 0 or self._terminated:
             return
         self._acknowledged += acknowledged_size
+        if self._padding:
+            padding = self._padding.pop(stream_id, 0)
+            if padding:
+                if padding > acknowledged_size:
+                    self._padding[stream_id] = padding - acknowledged_size
+                acknowledged_size -= min(padding, acknowledged_size)
+                if not acknowledged_size:
+                    return
         _check(lib.nghttp2_session_consume(self._session, stream_id, acknowledged_size))
 
     def close_connection(self, error_code: int = 0, *, last_stream_id: int | None = None) -> None:
@@ -595,23 +606,33 @@ class NgCodec:
             chunks = self._chunks
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
-            if len(data) != hd.length:
+            flow = hd.length
+            if len(data) != flow:
                 # Padded, or behind the chunks of a frame the library dropped without a word (its stream
                 # closed while the frame was coming in): this frame's own bytes are the last ones.
-                data = data[len(data) - (hd.length - frame.data.padlen) :]
+                padding = frame.data.padlen
+                data = data[len(data) - (flow - padding) :]
+                if padding:
+                    # (the library gives padding back itself: the driver's acknowledgement of it is not
+                    # passed on, see acknowledge_received_data)
+                    self._padding[sid] = self._padding.get(sid, 0) + padding
             ended = True if hd.flags & _END_STREAM else None
-            self._received += len(data)
-            last = evs[-1] if evs else None
-            if type(last) is events.DataReceived and last.stream_id == sid and last.stream_ended is None:
-                last.data += data
-                last.flow_controlled_length += len(data)
-                last.stream_ended = ended
+            self._received += flow
+            run = self._runs.get(sid)
+            if run is not None:  # (the stream's DATA of this read so far, and none of its other events)
+                run.data += data
+                run.flow_controlled_length += flow
+                run.stream_ended = ended
             else:
-                evs.append(events.DataReceived(sid, data, len(data), ended))
+                run = self._runs[sid] = events.DataReceived(sid, data, flow, ended)
+                evs.append(run)
             if ended:
+                del self._runs[sid]
                 evs.append(events.StreamEnded(sid))
         elif kind == 1:  # HEADERS
             sid = hd.stream_id
+            if self._runs:
+                self._runs.pop(sid, None)
             block = self._block if self._block_size else []
             self._block = []
             self._block_size = 0
@@ -636,9 +657,12 @@ class NgCodec:
                 evs.append(events.StreamEnded(sid))
         elif kind == 3:  # RST_STREAM
             sid = hd.stream_id
+            self._runs.pop(sid, None)
             self._reset_reported.add(sid)
             evs.append(events.StreamReset(sid, _code(frame.rst_stream.error_code)))
         elif kind == 8:  # WINDOW_UPDATE
+            if self._runs:
+                self._runs.pop(hd.stream_id, None)
             evs.append(events.WindowUpdated(hd.stream_id, frame.window_update.window_size_increment))
         elif kind == 4:  # SETTINGS
             if not hd.flags & 0x1:
@@ -657,6 +681,7 @@ class NgCodec:
         if sid and sid in self._heads and sid not in self._reset_reported:
             # The session resets the stream itself (a stream error): the driver hears of it once.
             self._reset_reported.add(sid)
+            self._runs.pop(sid, None)
             self._events.append(events.StreamReset(sid, _stream_error_code(lib_error), remote_reset=False))
 
     def _settings_received(self, settings: Any) -> None:
