@@ -42,12 +42,20 @@ from blocks.transport._codec import (
     ProtocolError,
 )
 from blocks.transport._nghttp2 import _events as events
+from blocks.transport._nghttp2 import _shim
 from blocks.transport._nghttp2._ffi import load
 
-_loaded = load()
+_loaded = _shim.load()
+SHIM_REASON = _loaded if isinstance(_loaded, str) else ""
+"""Why the C shim is not in use (empty when it is): the codec then runs in cffi's ABI mode."""
 if isinstance(_loaded, str):
-    raise ImportError(_loaded)  # noqa: TRY004 (what a missing library is to the importer)
+    _loaded = load()
+    if isinstance(_loaded, str):
+        raise ImportError(_loaded)  # noqa: TRY004 (what a missing library is to the importer)
 ffi, lib = _loaded
+SHIM = not SHIM_REASON
+MODE = "shim" if SHIM else "abi"
+"""How the codec reaches the library: ``"shim"`` (cffi's API mode, the callbacks in C) or ``"abi"``."""
 
 _CALLBACK_FAILURE = -902  # NGHTTP2_ERR_CALLBACK_FAILURE
 _DEFERRED = -508  # NGHTTP2_ERR_DEFERRED
@@ -157,6 +165,13 @@ class NgCodec:
         self._late: list[tuple[int, int]] = []
         self._peer_window = 65535  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
         self._handle = ffi.new_handle(self)
+        self._provider = ffi.new("nghttp2_data_provider *")  # (its source: this codec, for _read)
+        self._provider.source.ptr = self._handle
+        self._provider.read_callback = _READ
+        self._log: Any = None
+        user_data = self._handle
+        if SHIM:
+            self._log = user_data = ffi.gc(lib.pb_log_new(header_list_cap), lib.pb_log_del)
         option = ffi.new("nghttp2_option **")
         _check(lib.nghttp2_option_new(option))
         opt = ffi.gc(option[0], lib.nghttp2_option_del)
@@ -171,12 +186,13 @@ class NgCodec:
         if client_side:
             # (our streams are counted by the pool: the library should hold none back)
             lib.nghttp2_option_set_peer_max_concurrent_streams(opt, _NO_STREAMS_LIMIT)
-        continuations = getattr(lib, "nghttp2_option_set_max_continuations", None)
-        if continuations is not None:
+        if SHIM:
+            lib.pb_set_max_continuations(opt, _MAX_CONTINUATIONS)  # (where the library has it)
+        elif (continuations := getattr(lib, "nghttp2_option_set_max_continuations", None)) is not None:
             continuations(opt, _MAX_CONTINUATIONS)
         session = ffi.new("nghttp2_session **")
         new = lib.nghttp2_session_client_new2 if client_side else lib.nghttp2_session_server_new2
-        _check(new(session, _CALLBACKS, self._handle, opt))
+        _check(new(session, _CALLBACKS, user_data, opt))
         self._session = ffi.gc(session[0], lib.nghttp2_session_del)
 
     def __repr__(self) -> str:
@@ -240,9 +256,11 @@ class NgCodec:
                 self._receive_answering_late(data, limit)
             else:
                 rv = lib.nghttp2_session_mem_recv(self._session, data, limit)
-                self._events = []
                 if rv < 0:
                     raise self._fatal(rv)
+                if self._log is not None and self._log.len:
+                    self._replay()
+                self._events = []
         if error is not None:
             self._terminate(getattr(error, "error_code", ErrorCodes.PROTOCOL_ERROR))
             raise error
@@ -270,6 +288,8 @@ class NgCodec:
                     rv = lib.nghttp2_session_mem_recv(session, data[start:end], end - start)
                     if rv < 0:
                         raise self._fatal(rv)
+                    if self._log is not None and self._log.len:
+                        self._replay()
                     start = end
                 _check(lib.nghttp2_submit_rst_stream(session, 0, sid, ErrorCodes.STREAM_CLOSED))
                 self._take()
@@ -277,6 +297,8 @@ class NgCodec:
                 rv = lib.nghttp2_session_mem_recv(session, data[start:], limit - start)
                 if rv < 0:
                     raise self._fatal(rv)
+                if self._log is not None and self._log.len:
+                    self._replay()
         finally:
             self._late.clear()
             self._events = []
@@ -285,6 +307,13 @@ class NgCodec:
         """The library stopped (a callback failed, a flood of its own counting): GOAWAY, and the error."""
         failure = _failures.pop() if _failures else None
         _failures.clear()
+        log = self._log
+        if log is not None:
+            if log.overflow and self._error is None:
+                self._error = h2.exceptions.DenialOfServiceError(
+                    f"header block over {self._cap} bytes decoded (an HPACK bomb?)"
+                )
+            log.len = 0
         if self._error is not None:
             error: ProtocolError = self._error
             self._error = None
@@ -450,6 +479,8 @@ class NgCodec:
                 self._patch(out, ffi.buffer(pointer[0], n))
                 continue
             out += ffi.buffer(pointer[0], n)
+        if self._log is not None and self._log.len:
+            self._replay()  # (streams closed as their last frame went)
 
     def _patch(self, out: bytearray, chunk: Any) -> None:
         """Our first SETTINGS frame, with the concurrent-stream limit the peer is to see (see __init__)."""
@@ -478,10 +509,10 @@ class NgCodec:
         """A head (opening the stream on a client) or, on a stream with a head, trailers."""
         if self._terminated:
             raise NgProtocolError("the connection is closed")
-        nva, keep = _nv_array(headers)
         session = self._session
         out = self._out.get(stream_id)
         if out is not None:
+            nva, keep = _nv_array(headers)
             # Trailers after DATA the session has not framed yet: they go after it, with its END_STREAM.
             if not end_stream:
                 raise NgProtocolError("trailers must end the stream")
@@ -493,7 +524,7 @@ class NgCodec:
             return
         flags = _END_STREAM if end_stream else 0
         if self.client_side and stream_id >= lib.nghttp2_session_get_next_stream_id(session):
-            opened = lib.nghttp2_submit_headers(session, flags, -1, ffi.NULL, nva, len(headers), ffi.NULL)
+            opened = _submit_headers(session, flags, -1, headers)
             _check(opened)
             if opened != stream_id:
                 raise NgProtocolError(f"stream {stream_id} is not the next one ({opened})")
@@ -502,7 +533,7 @@ class NgCodec:
             return
         if not self.stream_is_open(stream_id):
             raise NgStreamClosedError(f"stream {stream_id} is closed", ErrorCodes.STREAM_CLOSED)
-        _check(lib.nghttp2_submit_headers(session, flags, stream_id, ffi.NULL, nva, len(headers), ffi.NULL))
+        _check(_submit_headers(session, flags, stream_id, headers))
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
         """DATA on ``stream_id``, within its send windows (the driver checks them); framed at the next take."""
@@ -516,7 +547,7 @@ class NgCodec:
             self._unframed += len(data)
             out.end = end_stream
             # END_STREAM goes with the source's end, unless trailers follow (_read says so then).
-            _check(lib.nghttp2_submit_data(self._session, _END_STREAM, stream_id, _PROVIDER))
+            _check(lib.nghttp2_submit_data(self._session, _END_STREAM, stream_id, self._provider))
             return
         if out.end:
             raise NgStreamClosedError(f"stream {stream_id} has ended", ErrorCodes.STREAM_CLOSED)
@@ -597,26 +628,23 @@ class NgCodec:
 
     # -- callbacks (recording only: see the module docstring) -------------------------------
 
-    def _on_frame_recv(self, frame: Any) -> None:
-        hd = frame.hd
-        kind = hd.type
+    def _frame(self, kind: int, flags: int, sid: int, flow: int, a: int, b: int, extra: Any) -> None:
+        """A frame received, as the library reports it (see :mod:`._shim` for ``a``, ``b``, ``extra``)."""
         evs = self._events
         if kind == 0:  # DATA
-            sid = hd.stream_id
             chunks = self._chunks
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
-            flow = hd.length
             if len(data) != flow:
                 # Padded, or behind the chunks of a frame the library dropped without a word (its stream
                 # closed while the frame was coming in): this frame's own bytes are the last ones.
-                padding = frame.data.padlen
+                padding = a
                 data = data[len(data) - (flow - padding) :]
                 if padding:
                     # (the library gives padding back itself: the driver's acknowledgement of it is not
                     # passed on, see acknowledge_received_data)
                     self._padding[sid] = self._padding.get(sid, 0) + padding
-            ended = True if hd.flags & _END_STREAM else None
+            ended = True if flags & _END_STREAM else None
             self._received += flow
             run = self._runs.get(sid)
             if run is not None:  # (the stream's DATA of this read so far, and none of its other events)
@@ -630,13 +658,12 @@ class NgCodec:
                 del self._runs[sid]
                 evs.append(events.StreamEnded(sid))
         elif kind == 1:  # HEADERS
-            sid = hd.stream_id
             if self._runs:
                 self._runs.pop(sid, None)
             block = self._block if self._block_size else []
             self._block = []
             self._block_size = 0
-            ended = True if hd.flags & _END_STREAM else None
+            ended = True if flags & _END_STREAM else None
             heads = self._heads
             if sid in heads:
                 evs.append(events.TrailersReceived(sid, block, ended))
@@ -656,25 +683,74 @@ class NgCodec:
             if ended:
                 evs.append(events.StreamEnded(sid))
         elif kind == 3:  # RST_STREAM
-            sid = hd.stream_id
             self._runs.pop(sid, None)
             self._reset_reported.add(sid)
-            evs.append(events.StreamReset(sid, _code(frame.rst_stream.error_code)))
+            evs.append(events.StreamReset(sid, _code(a)))
         elif kind == 8:  # WINDOW_UPDATE
             if self._runs:
-                self._runs.pop(hd.stream_id, None)
-            evs.append(events.WindowUpdated(hd.stream_id, frame.window_update.window_size_increment))
+                self._runs.pop(sid, None)
+            evs.append(events.WindowUpdated(sid, a))
         elif kind == 4:  # SETTINGS
-            if not hd.flags & 0x1:
-                self._settings_received(frame.settings)
+            if not flags & 0x1:
+                self._settings_received(extra)
                 evs.append(events.RemoteSettingsChanged())
         elif kind == 7:  # GOAWAY
-            goaway = frame.goaway
-            extra = ffi.unpack(goaway.opaque_data, goaway.opaque_data_len) if goaway.opaque_data_len else b""
-            evs.append(events.ConnectionTerminated(_code(goaway.error_code), goaway.last_stream_id, extra))
+            evs.append(events.ConnectionTerminated(_code(b), a, extra))
 
-    def _on_invalid_frame(self, frame: Any, lib_error: int) -> None:
-        sid = frame.hd.stream_id
+    def _replay(self) -> None:
+        """What the shim recorded (see :mod:`._shim`), in order, as the ABI-mode callbacks report it."""
+        log = self._log
+        view = ffi.buffer(log.buf, log.len)
+        size = log.len
+        log.len = 0
+        unpack = _unpack_from
+        pos = 0
+        try:
+            while pos < size:
+                tag = view[pos]
+                if tag == b"H":
+                    namelen, valuelen = unpack("=II", view, pos + 1)
+                    start = pos + 9
+                    middle = start + namelen
+                    pos = middle + valuelen
+                    if not self._block_size:
+                        self._block = []
+                    self._block_size += namelen + valuelen + 32
+                    self._block.append((view[start:middle], view[middle:pos]))
+                elif tag == b"F":
+                    kind, flags, sid, length, a, b = unpack("=BBiIII", view, pos + 1)
+                    pos += 19
+                    extra: Any = None
+                    if kind == 7:
+                        (count,) = unpack("=I", view, pos)
+                        extra = view[pos + 4 : pos + 4 + count]
+                        pos += 4 + count
+                    elif kind == 4:
+                        pairs = unpack(f"={2 * a}I", view, pos)
+                        extra = list(zip(pairs[::2], pairs[1::2], strict=True))
+                        pos += 8 * a
+                    self._frame(kind, flags, sid, length, a, b, extra)
+                elif tag == b"D":
+                    _sid, length = unpack("=iI", view, pos + 1)
+                    self._chunks.append(view[pos + 9 : pos + 9 + length])
+                    pos += 9 + length
+                elif tag == b"C":
+                    sid, code = unpack("=iI", view, pos + 1)
+                    pos += 9
+                    self._on_stream_close(sid, code)
+                elif tag == b"I":
+                    sid, lib_error = unpack("=ii", view, pos + 1)
+                    pos += 9
+                    self._invalid(sid, lib_error)
+                else:  # E
+                    (length,) = unpack("=I", view, pos + 1)
+                    self._error_message = view[pos + 5 : pos + 5 + length].decode(errors="replace")
+                    pos += 5 + length
+        except ProtocolError as exc:  # (a connection error found in a frame: the library went on past it)
+            self._error = exc
+            raise self._fatal(_CALLBACK_FAILURE) from None
+
+    def _invalid(self, sid: int, lib_error: int) -> None:
         self._error_message = ffi.string(lib.nghttp2_strerror(lib_error)).decode()
         self._block = []  # (a header block cut short)
         self._block_size = 0
@@ -684,7 +760,7 @@ class NgCodec:
             self._runs.pop(sid, None)
             self._events.append(events.StreamReset(sid, _stream_error_code(lib_error), remote_reset=False))
 
-    def _settings_received(self, settings: Any) -> None:
+    def _settings_received(self, settings: list[tuple[int, int]]) -> None:
         """RFC 9113 6.9.2: a new SETTINGS_INITIAL_WINDOW_SIZE that takes a stream's send window past
         2^31-1 is a connection error FLOW_CONTROL_ERROR (the library resets those streams instead).
 
@@ -692,19 +768,18 @@ class NgCodec:
         maximum minus the change is one it left as it was (or, for an increase close to the maximum
         twice over, one it raised: a connection error either way, at a window no peer reaches).
         """
-        for i in range(settings.niv):
-            entry = settings.iv[i]
-            if entry.settings_id != _SETTINGS_INITIAL_WINDOW_SIZE:
+        for key, value in settings:
+            if key != _SETTINGS_INITIAL_WINDOW_SIZE:
                 continue
-            delta = entry.value - self._peer_window
-            self._peer_window = entry.value
+            delta = value - self._peer_window
+            self._peer_window = value
             if delta <= 0:
                 continue
             for sid in list(self._heads) + list(self._out):
                 window = lib.nghttp2_session_get_stream_remote_window_size(self._session, sid)
                 if window + delta > _MAX_WINDOW:
                     self._error = NgProtocolError(
-                        f"SETTINGS_INITIAL_WINDOW_SIZE {entry.value} takes stream {sid}'s window past 2^31-1",
+                        f"SETTINGS_INITIAL_WINDOW_SIZE {value} takes stream {sid}'s window past 2^31-1",
                         ErrorCodes.FLOW_CONTROL_ERROR,
                     )
                     raise self._error
@@ -852,6 +927,28 @@ def _nv_array(headers: Any) -> tuple[Any, Any]:
     return _new(_NV_ARRAY, fields), base
 
 
+def _submit_headers(session: Any, flags: int, stream_id: int, headers: Any) -> int:
+    """``nghttp2_submit_headers`` of a header list: through the shim's ``pb_submit_headers`` (the names
+    and values in one buffer, their lengths and flags in two more), or an ``nghttp2_nv`` array."""
+    if not SHIM:
+        nva, _keep = _nv_array(headers)
+        return int(lib.nghttp2_submit_headers(session, flags, stream_id, ffi.NULL, nva, len(headers), ffi.NULL))
+    parts = []
+    flagged = bytearray()
+    for field in headers:
+        name, value = field
+        parts.append(name)
+        parts.append(value)
+        flagged.append(_NO_INDEX if type(field) is _NEVER_INDEXED else 0)
+    try:
+        joined = b"".join(parts)
+    except TypeError:  # (a field given as str: encoded as h2 would)
+        parts = [part.encode() if isinstance(part, str) else bytes(part) for part in parts]
+        joined = b"".join(parts)
+    lengths = _pack(f"={len(parts)}I", *map(len, parts))
+    return int(lib.pb_submit_headers(session, flags, stream_id, joined, lengths, bytes(flagged), len(flagged)))
+
+
 # -- the callbacks, shared by every session (each finds its codec through user_data) -------------
 
 
@@ -863,11 +960,16 @@ def _keep_failure(exc_type: Any, exc: BaseException, tb: Any) -> None:
 _failures: list[BaseException] = []
 
 
-_backend = ffi._backend  # (cffi's C functions, without the Python wrappers of ffi's methods)
-_from_handle = _backend.from_handle
-_unpack = _backend.unpack
-_from_buffer = _backend.from_buffer
-_new = _backend.newp
+if SHIM:  # (API mode's ffi is cffi's C object itself)
+    _from_handle, _unpack, _from_buffer, _new = ffi.from_handle, ffi.unpack, ffi.from_buffer, ffi.new
+else:  # (ABI mode's is Python: its C functions, without the wrappers)
+    _backend = ffi._backend
+    _from_handle, _unpack, _from_buffer, _new = (
+        _backend.from_handle,
+        _backend.unpack,
+        _backend.from_buffer,
+        _backend.newp,
+    )
 _CHAR_ARRAY = ffi.typeof("char[]")
 _NV_ARRAY = ffi.typeof("nghttp2_nv[]")
 _NEVER_INDEXED = hpack.NeverIndexedHeaderTuple
@@ -878,6 +980,7 @@ _NV_PACKED = (
     and [ffi.offsetof("nghttp2_nv", f) for f in ("name", "value", "namelen", "valuelen", "flags")] == [0, 8, 16, 24, 32]
 )
 _pack = struct.pack
+_unpack_from = struct.unpack_from
 _unpack_head = struct.Struct(">BHBBL").unpack_from  # a frame header: its length (high, low), type, flags, stream
 
 
@@ -904,7 +1007,24 @@ def _on_header(
 
 
 def _on_frame_recv(session: Any, frame: Any, user_data: Any) -> int:
-    _codec_of(user_data)._on_frame_recv(frame)
+    hd = frame.hd
+    kind = hd.type
+    a = b = 0
+    extra: Any = None
+    if kind == 0:
+        a = frame.data.padlen
+    elif kind == 3:
+        a = frame.rst_stream.error_code
+    elif kind == 8:
+        a = frame.window_update.window_size_increment
+    elif kind == 4:
+        settings = frame.settings
+        extra = [(settings.iv[i].settings_id, settings.iv[i].value) for i in range(settings.niv)]
+    elif kind == 7:
+        goaway = frame.goaway
+        a, b = goaway.last_stream_id, goaway.error_code
+        extra = _unpack(goaway.opaque_data, goaway.opaque_data_len) if goaway.opaque_data_len else b""
+    _codec_of(user_data)._frame(kind, hd.flags, hd.stream_id, hd.length, a, b, extra)
     return 0
 
 
@@ -914,7 +1034,7 @@ def _on_data_chunk(session: Any, flags: int, stream_id: int, data: Any, length: 
 
 
 def _on_invalid_frame(session: Any, frame: Any, lib_error: int, user_data: Any) -> int:
-    _codec_of(user_data)._on_invalid_frame(frame, lib_error)
+    _codec_of(user_data)._invalid(frame.hd.stream_id, lib_error)
     return 0
 
 
@@ -929,7 +1049,7 @@ def _on_error(session: Any, lib_error: int, message: Any, length: int, user_data
 
 
 def _read(session: Any, stream_id: int, buf: Any, length: int, flags: Any, source: Any, user_data: Any) -> int:
-    return _codec_of(user_data)._read(stream_id, buf, length, flags)
+    return _codec_of(source.ptr)._read(stream_id, buf, length, flags)
 
 
 def _c(kind: str, function: Any) -> Any:
@@ -942,6 +1062,9 @@ def _make_callbacks() -> Any:
     pointer = ffi.new("nghttp2_session_callbacks **")
     _check(lib.nghttp2_session_callbacks_new(pointer))
     callbacks = ffi.gc(pointer[0], lib.nghttp2_session_callbacks_del)
+    if SHIM:
+        lib.pb_set_callbacks(callbacks)  # (recording in C: see _shim)
+        return callbacks
     for setter, kind, function in (
         ("on_header_callback", "nghttp2_on_header_callback", _on_header),
         ("on_frame_recv_callback", "nghttp2_on_frame_recv_callback", _on_frame_recv),
@@ -958,6 +1081,5 @@ def _make_callbacks() -> Any:
 
 _KEEP: list[Any] = []  # the C callbacks, alive as long as the module (the library keeps only pointers)
 _CALLBACKS = _make_callbacks()  # (the library copies them into each session)
-_PROVIDER = ffi.new("nghttp2_data_provider *")
-_PROVIDER.read_callback = _READ = _c("nghttp2_data_source_read_callback", _read)
+_READ = _c("nghttp2_data_source_read_callback", _read)  # (each codec's provider names it)
 _POINTER = ffi.new("const uint8_t **")
