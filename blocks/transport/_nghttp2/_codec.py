@@ -142,6 +142,7 @@ class NgCodec:
         self._block_size = 0
         self._chunks: list[bytes] = []  # the DATA frame being received
         self._runs: dict[int, Any] = {}  # per stream, the DataReceived its DATA of this read is joined into
+        self._highest_inbound = 0  # see highest_inbound_stream_id
         self._heads: set[int] = set()  # streams whose head (request or final response) was received
         self._opened: set[int] = set()  # (a client's) streams it opened, until they close
         self._reset_reported: set[int] = set()  # streams reset (by either side, or the library) and open
@@ -206,7 +207,9 @@ class NgCodec:
 
     @property
     def highest_inbound_stream_id(self) -> int:
-        return int(lib.nghttp2_session_get_last_proc_stream_id(self._session))
+        """The highest stream the peer opened with a whole header block (as hyper-h2 counts it: a block
+        cut short opened nothing, where the library counts the stream from its first frame)."""
+        return self._highest_inbound
 
     @property
     def remote_settings(self) -> _RemoteSettings:
@@ -679,6 +682,8 @@ class NgCodec:
                 evs.append(events.ResponseReceived(sid, block, ended))
             else:
                 heads.add(sid)
+                if sid > self._highest_inbound:
+                    self._highest_inbound = sid
                 evs.append(events.RequestReceived(sid, block, ended))
             if ended:
                 evs.append(events.StreamEnded(sid))
