@@ -42,3 +42,14 @@ ensure_venv() {
         echo "$want" >>"$stamp"
     fi
 }
+
+ensure_python_headers() {
+    # Python's headers, which the nghttp2 codec's C shim compiles against (Debian: python3-dev).
+    if python3 -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+        return 0
+    fi
+    local sudo=()
+    [ "$(id -u)" -ne 0 ] && sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq python3-dev >/dev/null
+}

@@ -713,15 +713,21 @@ class NgCodec:
         try:
             while pos < size:
                 tag = view[pos]
-                if tag == b"H":
-                    namelen, valuelen = unpack("=II", view, pos + 1)
-                    start = pos + 9
-                    middle = start + namelen
-                    pos = middle + valuelen
-                    if not self._block_size:
-                        self._block = []
-                    self._block_size += namelen + valuelen + 32
-                    self._block.append((view[start:middle], view[middle:pos]))
+                if tag == b"B":
+                    count, total = unpack("=II", view, pos + 1)
+                    lengths = unpack(f"={2 * count}I", view, pos + 9)
+                    start = pos + 9 + 8 * count
+                    pos = start + total
+                    blob = view[start:pos]
+                    block = []
+                    at = 0
+                    for i in range(0, 2 * count, 2):
+                        middle = at + lengths[i]
+                        end = middle + lengths[i + 1]
+                        block.append((blob[at:middle], blob[middle:end]))
+                        at = end
+                    self._block = block
+                    self._block_size = 1 if block else 0  # (only whether there is one is read)
                 elif tag == b"F":
                     kind, flags, sid, length, a, b = unpack("=BBiIII", view, pos + 1)
                     pos += 19

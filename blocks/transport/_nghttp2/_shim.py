@@ -9,7 +9,9 @@ line and the codec runs in ABI mode. ``python -m blocks.transport._nghttp2._shim
 
 The record (:data:`LOG_FORMATS`), native byte order, one after another:
 
-- ``H`` a header field: name length, value length (u32 each), the name, the value;
+- ``B`` a header block's fields, just before its HEADERS frame's ``F``: the number of fields and
+  the length of their bytes (u32 each), each field's name and value lengths (u32 each), then every
+  name and value one after another (the fields are gathered in C as they are decoded);
 - ``D`` a DATA chunk: stream id (i32), length (u32), the bytes;
 - ``F`` a frame received: type, flags (u8 each), stream id (i32), length (u32), then per type: DATA
   its padding, RST_STREAM its error code, WINDOW_UPDATE its increment (u32 ``a``); GOAWAY its last
@@ -44,6 +46,12 @@ typedef struct {
   char *buf;
   size_t len;
   size_t cap;
+  char *fields;  /* the header block being received: its fields' bytes */
+  size_t fields_len;
+  size_t fields_cap;
+  char *lens;  /* and their lengths (u32 name, u32 value per field) */
+  size_t lens_len;
+  size_t lens_cap;
   size_t block;
   size_t limit;
   int overflow;
@@ -62,15 +70,23 @@ SHIM_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-static int pb_grow(pb_log *log, size_t more) {
-  if (log->len + more <= log->cap) return 0;
-  size_t cap = log->cap ? log->cap : 256;
-  while (cap < log->len + more) cap *= 2;
-  char *buf = realloc(log->buf, cap);
-  if (buf == NULL) { log->nomem = 1; return -1; }
-  log->buf = buf;
-  log->cap = cap;
+static int pb_reserve(pb_log *log, char **buf, size_t *cap, size_t len, size_t more) {
+  if (len + more <= *cap) return 0;
+  size_t size = *cap ? *cap : 256;
+  while (size < len + more) size *= 2;
+  char *grown = realloc(*buf, size);
+  if (grown == NULL) { log->nomem = 1; return -1; }
+  *buf = grown;
+  *cap = size;
   return 0;
+}
+
+static int pb_grow(pb_log *log, size_t more) { return pb_reserve(log, &log->buf, &log->cap, log->len, more); }
+
+static void pb_block_reset(pb_log *log) {
+  log->block = 0;
+  log->fields_len = 0;
+  log->lens_len = 0;
 }
 
 static void pb_put(pb_log *log, const void *data, size_t len) {
@@ -89,7 +105,11 @@ pb_log *pb_log_new(size_t limit) {
 }
 
 void pb_log_del(pb_log *log) {
-  if (log != NULL) free(log->buf);
+  if (log != NULL) {
+    free(log->buf);
+    free(log->fields);
+    free(log->lens);
+  }
   free(log);
 }
 
@@ -98,12 +118,14 @@ static int pb_on_header(nghttp2_session *session, const nghttp2_frame *frame, co
   pb_log *log = user_data;
   log->block += namelen + valuelen + 32;
   if (log->block > log->limit) { log->overflow = 1; return -902; }
-  if (pb_grow(log, 9 + namelen + valuelen)) return -902;
-  pb_u8(log, 'H');
-  pb_u32(log, (uint32_t)namelen);
-  pb_u32(log, (uint32_t)valuelen);
-  pb_put(log, name, namelen);
-  pb_put(log, value, valuelen);
+  if (pb_reserve(log, &log->fields, &log->fields_cap, log->fields_len, namelen + valuelen)) return -902;
+  if (pb_reserve(log, &log->lens, &log->lens_cap, log->lens_len, 8)) return -902;
+  uint32_t lens[2] = {(uint32_t)namelen, (uint32_t)valuelen};
+  memcpy(log->lens + log->lens_len, lens, 8);
+  log->lens_len += 8;
+  memcpy(log->fields + log->fields_len, name, namelen);
+  memcpy(log->fields + log->fields_len + namelen, value, valuelen);
+  log->fields_len += namelen + valuelen;
   return 0;
 }
 
@@ -123,9 +145,17 @@ static int pb_on_frame_recv(nghttp2_session *session, const nghttp2_frame *frame
   const nghttp2_frame_hd *hd = &frame->hd;
   uint32_t a = 0, b = 0;
   size_t extra = 0;
+  if (hd->type == 1) {  /* the block's fields, as one record before the frame's */
+    if (pb_grow(log, 9 + log->lens_len + log->fields_len)) return -902;
+    pb_u8(log, 'B');
+    pb_u32(log, (uint32_t)(log->lens_len / 8));
+    pb_u32(log, (uint32_t)log->fields_len);
+    pb_put(log, log->lens, log->lens_len);
+    pb_put(log, log->fields, log->fields_len);
+    pb_block_reset(log);
+  }
   switch (hd->type) {
   case 0: a = (uint32_t)frame->data.padlen; break;
-  case 1: log->block = 0; break;
   case 3: a = frame->rst_stream.error_code; break;
   case 8: a = (uint32_t)frame->window_update.window_size_increment; break;
   case 7:
@@ -158,7 +188,7 @@ static int pb_on_frame_recv(nghttp2_session *session, const nghttp2_frame *frame
 static int pb_on_invalid_frame(nghttp2_session *session, const nghttp2_frame *frame, int lib_error,
                                void *user_data) {
   pb_log *log = user_data;
-  log->block = 0;
+  pb_block_reset(log);
   if (pb_grow(log, 9)) return -902;
   pb_u8(log, 'I');
   pb_i32(log, frame->hd.stream_id);
