@@ -88,7 +88,7 @@ class _Supervised:
 
 SUPERVISED_VARIABLE = "PROXYBLOCKS_PROCESS"
 CODEC_VARIABLE = "PROXYBLOCKS_CODEC"
-"""The default of every command's ``--codec``: the HTTP/2 codec (``h2``, ``nghttp2`` or ``auto``)."""
+"""Names the default of every command's ``--codec`` (``h2``, ``nghttp2`` or ``auto``; unset: ``auto``)."""
 
 
 @functools.cache
@@ -169,8 +169,8 @@ class CommandParser(argparse.ArgumentParser):
         self.add_argument(
             "--codec",
             choices=_CODECS,
-            default=os.environ.get(CODEC_VARIABLE) or "h2",
-            help=f"HTTP/2 codec: hyper-h2, libnghttp2, or libnghttp2 where it loads (default: ${CODEC_VARIABLE}, h2)",
+            default=os.environ.get(CODEC_VARIABLE) or "auto",
+            help=f"HTTP/2 codec: hyper-h2, libnghttp2, or libnghttp2 where it loads (default: ${CODEC_VARIABLE}, auto)",
         )
         self._raising = False
 
