@@ -335,8 +335,10 @@ def assert_isolated(shared: Shared) -> ReplicaConnection:
 async def open_held_streams(raw: RawFrames, shared: Shared, count: int, first: int = 1) -> list[int]:
     """Open ``count`` streams that the replica holds, and wait until all reach it."""
     sids = list(range(first, first + 2 * count, 2))
-    await raw.send(*[raw.request(sid, b"/abuse/hold") for sid in sids])
+    # Counted before the send: the send yields, and in that time the chain
+    # may carry some or all of the new streams to the replica already.
     have = len(shared.upstream().abuser_streams()) if shared.replica.connections else 0
+    await raw.send(*[raw.request(sid, b"/abuse/hold") for sid in sids])
     await wait_for(lambda: len(shared.upstream().abuser_streams()) >= have + count, "the held streams at the replica")
     return sids
 
