@@ -64,7 +64,7 @@ SHIM_SOURCE = r"""
 
 static int pb_grow(pb_log *log, size_t more) {
   if (log->len + more <= log->cap) return 0;
-  size_t cap = log->cap ? log->cap : 4096;
+  size_t cap = log->cap ? log->cap : 256;
   while (cap < log->len + more) cap *= 2;
   char *buf = realloc(log->buf, cap);
   if (buf == NULL) { log->nomem = 1; return -1; }
