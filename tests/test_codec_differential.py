@@ -59,8 +59,30 @@ Left out of the comparison, where the two legitimately differ:
   events (and frames written) are joined per stream until another event (or
   frame) of that stream, and compared as bytes and lengths.
 - **Huffman and indexing** of what the servers write: compared decoded.
+- **An empty DATA frame without END_STREAM** written: hyper-h2 writes one
+  for ``send_data(b"")``, libnghttp2 none; it carries nothing.
+- **The order of frames of different streams** in a read: libnghttp2 frames
+  a HEADERS ahead of another stream's DATA queued before it; each stream's
+  own frames are compared in order.
+- **Answers to the frames before a connection error, or a GOAWAY received,
+  in one read**: libnghttp2 drops the PING and SETTINGS ACKs it queued as it
+  queues its GOAWAY, and hyper-h2 drops what it queued before a GOAWAY it
+  receives (the frames written in that read before it are not compared).
+- **The last stream of a GOAWAY for a connection error in a header block
+  opening a stream** (above) is matched against the streams opened in the
+  reads so far too, where the read that fails holds all of them.
 
-Kept out of generation, where docs/codec.md documents a difference:
+Kept out of generation, where docs/codec.md documents a difference (each of
+:data:`KNOWN_DIFFERENCES` at its smallest):
+
+- an empty or malformed ALTSVC frame: hyper-h2 is at fault (a server ignores
+  ALTSVC, RFC 7838 4; hyper-h2 fails the connection with FRAME_SIZE_ERROR);
+- RST_STREAM on an idle stream once a stream is open: hyper-h2 is at fault
+  (it ignores it; RFC 9113 5.1 and the library: PROTOCOL_ERROR);
+- a WINDOW_UPDATE of 0 on a stream, a client's GOAWAY naming a client
+  stream, frames after the client's GOAWAY, trailers with a priority on their
+  own stream, an undecodable header block on a stream id skipped: the RFC
+  allows both codecs' answers (see KNOWN_DIFFERENCES for each);
 
 - no header field is near 64 KiB encoded (the largest is 20,000 bytes):
   libnghttp2 refuses one over 65,536 bytes with COMPRESSION_ERROR;
@@ -216,8 +238,9 @@ class _Client:
         return bytes(self.encoder.encode(headers, huffman=draw(st.booleans())))
 
 
-def _headers_frames(draw: st.DrawFn, sid: int, block: bytes, end_stream: bool) -> list[bytes]:
-    """A header block as HEADERS and CONTINUATIONs (padded, with a priority, interrupted, at random)."""
+def _headers_frames(draw: st.DrawFn, sid: int, block: bytes, end_stream: bool, opens: bool = True) -> list[bytes]:
+    """A header block as HEADERS and CONTINUATIONs (padded, with a priority, interrupted, at random); one that
+    does not open its stream depends on no stream (see KNOWN_DIFFERENCES)."""
     parts = draw(st.integers(1, 3))
     size = -(-len(block) // parts) or 1
     pieces = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
@@ -229,7 +252,7 @@ def _headers_frames(draw: st.DrawFn, sid: int, block: bytes, end_stream: bool) -
         first.pad_length = draw(st.integers(0, 20))
     if draw(st.integers(0, 4)) == 0:
         first.flags.add("PRIORITY")
-        first.depends_on = draw(st.sampled_from([0, 1, sid]))
+        first.depends_on = draw(st.sampled_from([0, 1, sid] if opens else [0]))
         first.stream_weight = draw(st.integers(0, 255))
         first.exclusive = draw(st.booleans())
     frames = [first]
@@ -260,7 +283,7 @@ MALFORMED = [
     raw(9, 0x4, 1, b"\x82"),  # CONTINUATION without HEADERS
     raw(5, 0x4, 1, b"\0\0\0\x02\x82"),  # PUSH_PROMISE from a client
     raw(0xFA, 0, 0, b"z" * 16385),  # a frame over SETTINGS_MAX_FRAME_SIZE
-    raw(1, 0x5, 1, b"\xff\xff\xff\xff\x0f"),  # a header block that does not decode
+    UNDECODABLE := raw(1, 0x5, 1, b"\xff\xff\xff\xff\x0f"),  # a header block that does not decode
 ]
 
 
@@ -288,7 +311,7 @@ def conversation(draw: st.DrawFn) -> list[bytes]:
         elif kind == "trailers":
             sid = client.stream(draw)
             fields = draw(st.sampled_from([[(b"x-trailer", b"t")], [(b":path", b"/")], [(b"grpc-status", b"0")]]))
-            frames += _headers_frames(draw, sid, client.block(draw, fields), draw(st.booleans()))
+            frames += _headers_frames(draw, sid, client.block(draw, fields), draw(st.booleans()), opens=False)
         elif kind == "data":
             sid = client.stream(draw)
             size = draw(st.sampled_from([0, 1, 5, 100, 1000, 16000, 16384]))
@@ -301,9 +324,11 @@ def conversation(draw: st.DrawFn) -> list[bytes]:
             frames.append(on(sid, f))
         elif kind == "rst":
             code = draw(st.sampled_from([0, 1, 2, 5, 8, 0xFF]))
-            frames.append(on(client.stream(draw), RstStreamFrame(1, code)))
+            # (on an idle stream only before any request: see KNOWN_DIFFERENCES)
+            sid = draw(st.sampled_from(client.opened)) if client.opened else client.next_sid
+            frames.append(on(sid, RstStreamFrame(1, code)))
         elif kind == "window":
-            increment = draw(st.sampled_from([0, 1, 1000, 65535, 2**31 - 1]))
+            increment = draw(st.sampled_from([1, 1000, 65535, 2**31 - 1]))  # (not 0: see KNOWN_DIFFERENCES)
             frames.append(WindowUpdateFrame(client.stream(draw), increment).serialize())
         elif kind == "ping":
             f = PingFrame(0, draw(st.binary(min_size=8, max_size=8)))
@@ -335,9 +360,11 @@ def conversation(draw: st.DrawFn) -> list[bytes]:
             f.exclusive = draw(st.booleans())
             frames.append(on(sid, f))
         elif kind == "goaway":
-            last = draw(st.sampled_from([0, client.next_sid - 2 if client.next_sid > 1 else 0, 2**31 - 1]))
+            # (a client's GOAWAY names a server's stream, and ends what it sends: see KNOWN_DIFFERENCES)
+            last = draw(st.sampled_from([0, 2, 2**31 - 2]))
             code = draw(st.sampled_from([0, 0, 1, 2, 11]))
             frames.append(GoAwayFrame(0, last, code, draw(st.sampled_from([b"", b"bye"]))).serialize())
+            break
         elif kind == "unknown":
             type_ = draw(st.sampled_from([0xA, 0x10, 0xFA]))
             if type_ == 0xA:  # ALTSVC, well formed only (see test_an_empty_altsvc)
@@ -347,7 +374,10 @@ def conversation(draw: st.DrawFn) -> list[bytes]:
                 raw(type_, draw(st.sampled_from([0, 1, 0xFF])), client.stream(draw), b"?" * draw(st.integers(0, 9)))
             )
         else:
-            frames.append(draw(st.sampled_from(MALFORMED)))
+            malformed = draw(st.sampled_from(MALFORMED))
+            if malformed == UNDECODABLE and client.next_sid > 1 and 1 not in client.opened:
+                continue  # (on a stream skipped: see KNOWN_DIFFERENCES)
+            frames.append(malformed)
     return frames
 
 
@@ -466,6 +496,8 @@ class Side:
                     fields = tuple((bytes(n), bytes(v)) for n, v in self.decoder.decode(self.block, raw=True))
                     out.append(["HEADERS", self.block_sid, fields, self.block_end])
             elif isinstance(f, DataFrame):
+                if not f.data and "END_STREAM" not in f.flags:
+                    continue  # (carries nothing: hyper-h2 writes one for send_data(b""), the library none)
                 last = _last_of(out, sid)
                 if last is not None and last[0] == "DATA" and not last[3]:
                     last[2] += f.data
@@ -503,11 +535,19 @@ def converse(chunks: list[bytes], answers: list[list[tuple[Any, ...]]], acknowle
 
     same("the first frames", h2side.frames(), ngside.frames())
     data = b"".join(chunks)
-    bounds = {0}  # where a frame ends, counted in the reads after the opening
+    bounds = {0}  # where a frame ends outside a header block, counted in the reads after the opening
+    opens: list[tuple[int, int]] = []  # where each HEADERS frame ends, and its stream
     at = 0
+    in_block = False
     while at < len(data):
+        kind, flags, sid = data[at + 3], data[at + 4], int.from_bytes(data[at + 5 : at + 9]) & 0x7FFFFFFF
         at += 9 + int.from_bytes(data[at : at + 3])
-        bounds.add(at)
+        # (a header block's CONTINUATIONs are its frame's: interrupted, the interrupting frame is the error)
+        in_block = not flags & 0x4 and (kind in (1, 5) or (kind == 9 and in_block))
+        if kind == 1:
+            opens.append((at, sid))
+        if not in_block:
+            bounds.add(at)
     end = 0  # where the reads so far end
     highest = 0  # the highest stream a request came on
     opening = PREFACE + SettingsFrame(0).serialize() + SettingsFrame(0, flags=["ACK"]).serialize()
@@ -519,8 +559,8 @@ def converse(chunks: list[bytes], answers: list[list[tuple[Any, ...]]], acknowle
         got = [side.receive(chunk) for side in sides]
         end += len(chunk) if i else 0
         if (got[0][1] is None) != (got[1][1] is None) and end not in bounds:
-            # One found a connection error in the header of a frame the read cut: the other is to find
-            # the same once the frame is in (the frame's reads are its alone; events are not compared).
+            # One found a connection error in the header of a frame (or header block) the read cut: the other
+            # is to find the same once it is in (its reads are its alone; events are not compared).
             late = sides[0] if got[0][1] is None else sides[1]
             code = None
             for rest in chunks[i:]:
@@ -532,6 +572,13 @@ def converse(chunks: list[bytes], answers: list[list[tuple[Any, ...]]], acknowle
             got = [([], code), ([], code)]
         events, error = same(f"{where}: events, error", *got)
         go_on = error is None
+        if any(ev[0] is EventKind.TERMINATED for ev in events):
+            # hyper-h2 drops what it queued before a GOAWAY it receives (its answers to the frames before
+            # it in the read): not compared (see the module docstring). The driver puts the state back
+            # before it acts on the read's other events.
+            for side in sides:
+                side.frames()
+                side.codec.reopen_after_goaway()
         for ev in events:
             kind, sid = ev[0], ev[1]
             if kind is EventKind.REQUEST:
@@ -583,19 +630,29 @@ def converse(chunks: list[bytes], answers: list[list[tuple[Any, ...]]], acknowle
                     continue
                 if result is not None or ended[sid] == {"remote", "local"}:
                     live.pop(sid)
-        written = [h2side.frames(), ngside.frames()]
+        # (each stream's frames in their order; the streams' order between them is the library's: see above)
+        written = [sorted(side.frames(), key=lambda item: int(item[1])) for side in sides]
         if error is not None:
+            # The answers to control frames of the read that ends in a connection error: the library drops
+            # those it queued as it queues its GOAWAY (see the module docstring).
+            written = [[item for item in frames if item[:3] not in ACKS] for frames in written]
             # The last stream of a GOAWAY for an error in the header block opening a stream: one codec may
-            # name the stream, the other the last one before it (see the module docstring).
-            lasts = {item[2] for frames in written for item in frames if item[0] == "GOAWAY"}
-            if len(lasts) == 2 and min(lasts) == highest:
+            # name the stream, the other the last one opened before it (see the module docstring).
+            lasts = sorted({item[2] for frames in written for item in frames if item[0] == "GOAWAY"})
+            before = [s for at, s in opens if at <= end and s < lasts[-1] and s & 1] if len(lasts) == 2 else []
+            if len(lasts) == 2 and (
+                lasts[0] == highest or (lasts[-1] in dict(opens).values() and lasts[0] == max(before, default=0))
+            ):
                 written = [
-                    [(*item[:2], highest, item[3]) if item[0] == "GOAWAY" else item for item in frames]
+                    [(*item[:2], lasts[0], item[3]) if item[0] == "GOAWAY" else item for item in frames]
                     for frames in written
                 ]
         same(f"{where}: frames written", *written)
         if not go_on:
             return
+
+
+ACKS = {("PING", 0, True), ("SETTINGS", 0, True)}
 
 
 def agree_on(data: bytes) -> None:
@@ -605,27 +662,65 @@ def agree_on(data: bytes) -> None:
 
 _REQUEST = raw(1, 0x5, 1, bytes(hpack.Encoder().encode([(b":method", b"GET"), (b":path", b"/")], huffman=False)))
 
-# Differences hypothesis found that are not in docs/codec.md, each at its smallest: kept out of generation
-# (the property is xfail until they are settled), each shown here. strict: a fix makes its test pass.
+# Differences hypothesis found, each at its smallest. Kept out of generation, where neither codec is wrong
+# or hyper-h2 is the one at fault (docs/codec.md, "What differs", and the module docstring say which);
+# strict: a change in either codec that settles one makes its test pass.
 KNOWN_DIFFERENCES = [
     pytest.param(raw(0xA, 0, 0), id="empty-altsvc: h2 FRAME_SIZE_ERROR, nghttp2 ignores it (RFC 7838 4: ignore)"),
-    pytest.param(raw(4, 1, 0), id="unexpected-settings-ack: h2 ignores it, nghttp2 PROTOCOL_ERROR"),
     pytest.param(
-        _REQUEST + raw(0, 0, 1),
-        id="data-on-half-closed-remote: h2 RST_STREAM(STREAM_CLOSED), nghttp2 GOAWAY(STREAM_CLOSED)",
+        _REQUEST + raw(1, 0x5, 3, b"\x82") + raw(3, 0, 5, b"\0\0\0\0"),
+        id="rst-on-idle-stream: h2 ignores it, nghttp2 PROTOCOL_ERROR (RFC 9113 5.1: PROTOCOL_ERROR)",
+    ),
+    pytest.param(
+        _REQUEST + raw(3, 0, 1, b"\0\0\0\x08") + raw(8, 0, 1, b"\0\0\0\0"),
+        id="window-update-of-0-on-a-closed-stream: h2 PROTOCOL_ERROR, nghttp2 ignores it (RFC 9113 6.9, 5.1: either)",
+    ),
+    pytest.param(
+        raw(7, 0, 0, b"\0\0\0\1\0\0\0\0"),
+        id="goaway-naming-a-client-stream: h2 takes it, nghttp2 PROTOCOL_ERROR (RFC 9113 6.8: says neither)",
+    ),
+    pytest.param(
+        raw(7, 0, 0, b"\0\0\0\0\0\0\0\0") + _REQUEST,
+        id="a-request-after-the-clients-goaway: h2 PROTOCOL_ERROR, nghttp2 takes it (RFC 9113 6.8: says neither)",
+    ),
+    pytest.param(
+        raw(1, 0x4, 1, b"\x82") + raw(1, 0x25, 1, b"\0\0\0\x01\x10" + b"\x84"),
+        id="trailers-depending-on-their-stream: h2 PROTOCOL_ERROR, nghttp2 ignores the priority (RFC 9113 5.3)",
     ),
 ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a difference between the codecs, not documented")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a difference between the codecs, documented")
 @pytest.mark.parametrize("data", KNOWN_DIFFERENCES)
 def test_known_difference(data: bytes) -> None:
     agree_on(data)
 
 
+# Differences hypothesis found where libnghttp2 broke RFC 9113, fixed in the codec.
+SETTLED = [
+    pytest.param(raw(4, 1, 0), id="unexpected-settings-ack: ignored (RFC 9113 6.5.3)"),
+    pytest.param(
+        _REQUEST + raw(0, 0, 1), id="empty-data-on-half-closed-remote: RST_STREAM(STREAM_CLOSED) (RFC 9113 5.1)"
+    ),
+    pytest.param(_REQUEST + raw(0, 0, 1, b"late"), id="data-on-half-closed-remote"),
+    pytest.param(_REQUEST + raw(1, 0x5, 1, b"\x84"), id="trailers-on-half-closed-remote"),
+    pytest.param(_REQUEST + raw(0, 0, 1) + raw(0, 0, 1, b"again"), id="two-frames-on-half-closed-remote"),
+    pytest.param(_REQUEST + raw(0, 0x8, 1, b"\x09data"), id="bad-padding-on-half-closed-remote: PROTOCOL_ERROR"),
+    pytest.param(
+        _REQUEST + raw(1, 0x1, 1, b"\x84") + raw(6, 0, 0, b"interrup"),
+        id="interrupted-trailers-on-half-closed-remote: PROTOCOL_ERROR alone",
+    ),
+]
+
+
+@pytest.mark.parametrize("data", SETTLED)
+def test_settled_difference(data: bytes) -> None:
+    agree_on(data)
+
+
 @pytest.mark.xfail(
     raises=AssertionError,
-    reason="finds the KNOWN_DIFFERENCES (and the shapes kept out of generation are not all out yet)",
+    reason="differences in late frames cut by reads and stream-0 frames are still being reduced",
 )
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(chunks=reads(), answers=st.lists(ANSWER, min_size=1, max_size=4), acknowledge=st.booleans())

@@ -164,6 +164,7 @@ int nghttp2_session_resume_data(nghttp2_session *session, int32_t stream_id);
 int32_t nghttp2_session_get_stream_remote_window_size(nghttp2_session *session, int32_t stream_id);
 int32_t nghttp2_session_get_remote_window_size(nghttp2_session *session);
 uint32_t nghttp2_session_get_remote_settings(nghttp2_session *session, int id);
+uint32_t nghttp2_session_get_local_settings(nghttp2_session *session, int id);
 int32_t nghttp2_session_get_last_proc_stream_id(nghttp2_session *session);
 uint32_t nghttp2_session_get_next_stream_id(nghttp2_session *session);
 int32_t nghttp2_session_get_local_window_size(nghttp2_session *session);
