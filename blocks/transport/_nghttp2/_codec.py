@@ -268,8 +268,11 @@ class NgCodec:
                 self._replay()
             self._events = []
         if error is not None:
-            self._terminate(getattr(error, "error_code", ErrorCodes.PROTOCOL_ERROR))
-            raise error
+            self._take()
+            if lib.nghttp2_session_want_read(self._session) or not self._goaway_sent():
+                self._terminate(getattr(error, "error_code", ErrorCodes.PROTOCOL_ERROR))
+                raise error
+            # (the library found a connection error in a frame before: its error is the connection's)
         # The library queues its GOAWAY for a connection error and goes on: take what it queued, and
         # if that ended the session, the error is the connection's.
         self._take()
@@ -404,7 +407,8 @@ class NgCodec:
             data = head + data
             self._scan_head = b""
         size = len(data)
-        self._scan_new.clear()
+        if not self._scan_skip:  # (a HEADERS cut by a read opens its stream at the library once it is in)
+            self._scan_new.clear()
         pos = min(self._scan_skip, size)
         self._scan_skip -= pos
         unpack = _unpack_head
