@@ -426,7 +426,7 @@ class NgCodec:
                 and sid <= self._scan_last
                 and ((sid not in heads and sid not in new) or sid in ended or sid in peer_reset)
             ):
-                end, interrupted = _whole(data, pos, size, kind, flags, end)
+                end, interrupted = _whole(data, sid, size, kind, flags, end)
                 if end < 0:
                     if size - pos > self._cap + _WITHHELD_MORE or length > self._max_frame:
                         end = pos + 9 + length  # (past any header block the guard lets through: as it comes)
@@ -479,6 +479,8 @@ class NgCodec:
             self._peer_reset[sid] = True
             self._peer_ended.discard(sid)
             return
+        if flags & 0x8 and carried < 0 and kind <= 1:  # (a connection error, found by hyper-h2 as it parses)
+            raise NgProtocolError(f"padding past the end of a frame on stream {sid}")
         if kind == 2:  # PRIORITY: allowed on any stream
             return
         if sid in self._peer_reset:
@@ -497,9 +499,6 @@ class NgCodec:
             if sid in self._peer_ended:
                 if length > self._max_frame:
                     return  # (the library's connection error FRAME_SIZE_ERROR, as hyper-h2's)
-                if carried < 0:
-                    # (padding longer than the frame: a connection error, found by hyper-h2 as it parses)
-                    raise NgProtocolError(f"padding past the end of a frame on stream {sid}")
                 self._peer_ended.discard(sid)
                 self._peer_reset[sid] = True  # (reset where the frame starts: a later frame is a late one)
                 self._late += ((start, _CLOSE, sid), (end, _ANSWER, sid))
@@ -649,6 +648,8 @@ class NgCodec:
         if out is None:
             if not self.stream_is_open(stream_id):
                 raise NgStreamClosedError(f"stream {stream_id} is closed", ErrorCodes.STREAM_CLOSED)
+            if lib.nghttp2_session_get_stream_local_close(self._session, stream_id):
+                raise NgProtocolError(f"stream {stream_id} has ended")  # (as hyper-h2's state machine says it)
             out = self._out[stream_id] = _Out()
             out.chunks.append(data)
             out.size = len(data)
@@ -972,17 +973,18 @@ def _check(rv: int) -> None:
         raise NgProtocolError(message)
 
 
-def _whole(data: bytes | bytearray, pos: int, size: int, kind: int, flags: int, end: int) -> tuple[int, bool]:
-    """Where the DATA frame (``kind`` 0) or the header block (1) starting at ``pos`` ends in ``data`` (``end``:
-    where its first frame ends), -1 if that is not in ``data`` yet; and whether another frame interrupts
-    the header block (a connection error: the block then ends with that frame)."""
+def _whole(data: bytes | bytearray, sid: int, size: int, kind: int, flags: int, end: int) -> tuple[int, bool]:
+    """Where the DATA frame (``kind`` 0) or the header block (1) of stream ``sid`` ends in ``data`` (``end``:
+    where its first frame ends), -1 if that is not in ``data`` yet; and whether another frame (or a
+    CONTINUATION of another stream) interrupts the header block (a connection error: the block then
+    ends with that frame)."""
     if kind == 1:
         while not flags & 0x4:  # (END_HEADERS)
             if end + 9 > size:
                 return -1, False
-            high, low, kind, flags, _ = _unpack_head(data, end)
+            high, low, kind, flags, other = _unpack_head(data, end)
             end += 9 + (high << 16 | low)
-            if kind != 9:
+            if kind != 9 or other != sid:
                 return (end if end <= size else -1), True
     return (end if end <= size else -1), False
 

@@ -171,6 +171,7 @@ int32_t nghttp2_session_get_local_window_size(nghttp2_session *session);
 int32_t nghttp2_session_get_effective_recv_data_length(nghttp2_session *session);
 nghttp2_stream *nghttp2_session_find_stream(nghttp2_session *session, int32_t stream_id);
 int nghttp2_stream_get_state(nghttp2_stream *stream);
+int nghttp2_session_get_stream_local_close(nghttp2_session *session, int32_t stream_id);
 const char *nghttp2_strerror(int lib_error_code);
 """
 
