@@ -544,6 +544,29 @@ async def test_5_1_data_on_half_closed_remote_stream(conn: Conn) -> None:
         await expect_rst(conn, sid, E.STREAM_CLOSED)
 
 
+@pytest.mark.parametrize("late", ["empty DATA", "DATA", "trailers"])
+async def test_5_1_half_closed_remote_is_a_stream_error_and_the_connection_goes_on(conn: Conn, late: str) -> None:
+    # 5.1 half-closed (remote): DATA (empty or not) or trailers after the client's END_STREAM are a stream
+    # error STREAM_CLOSED: the stream is reset, the connection and its other streams go on.
+    with trio.fail_after(10):
+        sid = await slow_stream(conn)
+        if late == "trailers":
+            await conn.send(conn.headers(sid, [(b"x-trailer", b"late")]))
+        else:
+            await conn.send(frame(DATA, 0, sid, b"" if late == "empty DATA" else b"late"))
+        assert await expect_rst(conn, sid, E.STREAM_CLOSED) == "stream"
+        await expect_ok(conn)
+
+
+async def test_6_5_3_a_settings_ack_with_none_due_is_ignored(conn: Conn) -> None:
+    # 6.5.3 defines the ACK of a SETTINGS frame; an ACK with no SETTINGS to acknowledge is no error there:
+    # the connection goes on (libnghttp2 alone would fail it).
+    with trio.fail_after(10):
+        await conn.send(settings(flags=ACK), ping(b"afterack"))
+        await expect_ping_ack(conn, b"afterack")
+        await expect_ok(conn)
+
+
 async def test_5_1_data_after_rst_stream(conn: Conn) -> None:
     # 5.1 closed: any frame but PRIORITY after the peer's RST_STREAM MUST be a stream error STREAM_CLOSED
     # (or a connection error of that type).

@@ -72,6 +72,8 @@ _SETTINGS_MAX_CONCURRENT_STREAMS = 3
 _SETTINGS_ENABLE_CONNECT_PROTOCOL = 8
 _NO_STREAMS_LIMIT = 2**31 - 1
 _NO_ACK_LIMIT = 2**31 - 1
+_LATE, _CLOSE, _ANSWER, _SKIP = range(4)  # what _receive_answering_late does where _late says
+_WITHHELD_MORE = 65536  # (a frame or header block withheld (_scan) is at most this past the header-list cap)
 _MAX_CONTINUATIONS = 63  # (the guard's MAX_CONTINUATIONS, for a client, where the library has the option)
 
 
@@ -156,14 +158,19 @@ class NgCodec:
         self._overflowed = 0  # a stream the library reset for DATA past its window (a connection error)
         # (guard) bytes of the frame being scanned still to come: first, the client's preface
         self._scan_skip = 0 if client_side else 24
-        self._scan_head = b""  # (guard) a frame header cut by the end of a read
+        # a frame header cut by the end of a read (on a server, with what follows it: withheld from the library)
+        self._scan_head = b""
         self._scan_last = 0  # (guard) the highest stream the client opened
         self._scan_new: set[int] = set()  # (guard) the streams opened in the read being scanned
         self._peer_reset = ClosedStreams(CLOSED_STREAMS)  # (guard) streams the client reset
         # streams closed, remembered as h2 does (its name, its bound): True for one closed by a reset
         self._closed_streams = ClosedStreams(CLOSED_STREAMS)
-        # (guard) streams to answer with RST_STREAM(STREAM_CLOSED), each with where its late frame ends in the read
-        self._late: list[tuple[int, int]] = []
+        self._peer_ended: set[int] = set()  # (guard) open streams the client ended: half-closed (remote)
+        self._acks_due = 0 if client_side else 1  # (guard) SETTINGS ACKs due: for our one SETTINGS frame
+        # what to do where in the read (a position, an action, a stream or, for _SKIP, where the cut ends):
+        # answer a late frame (at its end), reset a half-closed (remote) stream (at its frame's start) and
+        # write the answer (at its end), cut a frame out (_receive_answering_late)
+        self._late: list[tuple[int, int, int]] = []
         self._peer_window = 65535  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
         self._handle = ffi.new_handle(self)
         self._provider = ffi.new("nghttp2_data_provider *")  # (its source: this codec, for _read)
@@ -249,24 +256,26 @@ class NgCodec:
         limit = len(data)
         error: ProtocolError | None = None
         if self.guard is not None:
-            limit, error = self._scan(data)
+            data, limit, error = self._scan(data)
         elif self.client_side:
             limit, error = self._scan_late(data)
-        if limit:
+        if self._late:
+            self._receive_answering_late(bytes(data[:limit]), limit)
+        elif limit:
             if type(data) is not bytes or limit < len(data):
                 data = bytes(data[:limit])
-            if self._late:
-                self._receive_answering_late(data, limit)
-            else:
-                rv = lib.nghttp2_session_mem_recv(self._session, data, limit)
-                if rv < 0:
-                    raise self._fatal(rv)
-                if self._log is not None and self._log.len:
-                    self._replay()
-                self._events = []
+            rv = lib.nghttp2_session_mem_recv(self._session, data, limit)
+            if rv < 0:
+                raise self._fatal(rv)
+            if self._log is not None and self._log.len:
+                self._replay()
+            self._events = []
         if error is not None:
-            self._terminate(getattr(error, "error_code", ErrorCodes.PROTOCOL_ERROR))
-            raise error
+            self._take()
+            if lib.nghttp2_session_want_read(self._session) or not self._goaway_sent():
+                self._terminate(getattr(error, "error_code", ErrorCodes.PROTOCOL_ERROR))
+                raise error
+            # (the library found a connection error in a frame before: its error is the connection's)
         # The library queues its GOAWAY for a connection error and goes on: take what it queued, and
         # if that ended the session, the error is the connection's.
         self._take()
@@ -279,23 +288,50 @@ class NgCodec:
         return evs
 
     def _receive_answering_late(self, data: bytes, limit: int) -> None:
-        """``data`` to the session in pieces, each ending with a late frame (``_scan_stream``), whose
-        RST_STREAM(STREAM_CLOSED) is framed then: the library frames its answers (a PING's ACK) ahead of
-        what is submitted later, and the answers are to go out in the order of the frames they answer."""
+        """``data`` to the session in pieces cut where ``_late`` says (positions in ``data``), acting there:
+
+        - ``_LATE``, at the end of a late frame (``_scan_stream``): its RST_STREAM(STREAM_CLOSED) is framed
+          then, for the library frames its answers (a PING's ACK) ahead of what is submitted later, and
+          the answers are to go out in the order of the frames they answer;
+        - ``_CLOSE``, at the start of a frame on a half-closed (remote) stream (RFC 9113 5.1: the stream's
+          error STREAM_CLOSED, where the library fails the connection): the stream is reset there
+          (:meth:`_close_half_closed`), so that the session, which closes it as the RST_STREAM is framed,
+          takes the frame for a late one and ignores it (a header block decoded all the same, for the
+          HPACK context; DATA counted against the connection's window and taken as consumed at once);
+        - ``_ANSWER``, at that frame's end: the RST_STREAM and the driver's ``StreamReset`` go out then,
+          unless the frame itself was a connection error (an undecodable header block), whose GOAWAY
+          goes alone, as hyper-h2, which finds those first, sends it;
+        - ``_SKIP``: the bytes up to the position given are not fed at all (a frame the library would
+          fail the connection for, which carries nothing: :meth:`_scan`).
+        """
         session = self._session
         start = 0
+        held: tuple[bytes, Any] | None = None
         try:
-            for sid, end in self._late:
-                end = min(end, limit)
-                if end > start:
-                    rv = lib.nghttp2_session_mem_recv(session, data[start:end], end - start)
+            for at, action, value in self._late:
+                at = min(at, limit)  # (a late frame the read cuts: answered at the read's end)
+                if at > start:
+                    rv = lib.nghttp2_session_mem_recv(session, data[start:at], at - start)
                     if rv < 0:
                         raise self._fatal(rv)
                     if self._log is not None and self._log.len:
                         self._replay()
-                    start = end
-                _check(lib.nghttp2_submit_rst_stream(session, 0, sid, ErrorCodes.STREAM_CLOSED))
-                self._take()
+                    start = at
+                if action == _LATE:
+                    self._take()  # (a GOAWAY the library queued for the frame: the session then wants no more)
+                    if lib.nghttp2_session_want_read(session):
+                        _check(lib.nghttp2_submit_rst_stream(session, 0, value, ErrorCodes.STREAM_CLOSED))
+                        self._take()
+                elif action == _CLOSE:
+                    held = self._close_half_closed(value)
+                elif action == _ANSWER:
+                    self._take()  # (a GOAWAY the library queued for the frame: the session then wants no more)
+                    if held is not None and lib.nghttp2_session_want_read(session):
+                        self._sent += held[0]
+                        self._events.append(held[1])
+                        held = None
+                else:  # _SKIP
+                    start = value
             if start < limit:
                 rv = lib.nghttp2_session_mem_recv(session, data[start:], limit - start)
                 if rv < 0:
@@ -305,6 +341,25 @@ class NgCodec:
         finally:
             self._late.clear()
             self._events = []
+
+    def _close_half_closed(self, sid: int) -> tuple[bytes, Any] | None:
+        """RFC 9113 5.1: a frame other than WINDOW_UPDATE, PRIORITY or RST_STREAM on a half-closed (remote)
+        stream is its stream's error STREAM_CLOSED. The session resets the stream now; what it frames for
+        that, and the ``StreamReset`` (``remote_reset`` False, as hyper-h2 reports it), are returned to be
+        written once the frame is in (:meth:`_receive_answering_late`)."""
+        if not self.stream_is_open(sid) or sid in self._reset_reported:
+            return None  # (closed or reset since the scan: the session takes the frame for a late one)
+        self._take()  # (what was queued before goes out first, as in reset_stream)
+        self._drop(sid)
+        self._runs.pop(sid, None)
+        self._reset_reported.add(sid)
+        _check(lib.nghttp2_submit_rst_stream(self._session, 0, sid, ErrorCodes.STREAM_CLOSED))
+        out = self._sent
+        mark = len(out)
+        self._take()  # (the session closes the stream as it frames the RST_STREAM)
+        framed = bytes(out[mark:])
+        del out[mark:]
+        return framed, events.StreamReset(sid, ErrorCodes.STREAM_CLOSED, remote_reset=False)
 
     def _fatal(self, rv: int) -> ProtocolError:
         """The library stopped (a callback failed, a flood of its own counting): GOAWAY, and the error."""
@@ -337,24 +392,50 @@ class NgCodec:
         self._terminated = True
         return error
 
-    def _scan(self, data: bytes | bytearray) -> tuple[int, ProtocolError | None]:
-        """The guard's limits over the frames in ``data`` (a server's): how much of it may go to the
-        session, and the error of the first frame past a limit."""
+    def _scan(self, data: bytes | bytearray) -> tuple[bytes | bytearray, int, ProtocolError | None]:
+        """The guard's limits and :meth:`_scan_stream`'s rules over the frames in ``data`` (a server's):
+        the bytes to feed (a frame withheld from the read before first, see below), how many of them may
+        go to the session (actions where ``_late`` says), and the error of the first frame past a limit.
+
+        A frame header cut by the end of a read is withheld from the session until it is whole, and so
+        is DATA or a header block on a stream already opened and not open for it (half-closed (remote),
+        reset by the client, closed) until its end is in: it is answered (and the driver told) in the
+        read that completes it, as hyper-h2, which acts on whole frames and header blocks, answers it.
+        A SETTINGS ACK with none due (RFC 9113 6.5.3 makes it no error; the library fails the
+        connection) is cut out."""
         guard = self.guard
         assert guard is not None
         head = self._scan_head
         if head:
             data = head + data
+            self._scan_head = b""
         size = len(data)
-        self._scan_new.clear()
+        if not self._scan_skip:  # (a HEADERS cut by a read opens its stream at the library once it is in)
+            self._scan_new.clear()
         pos = min(self._scan_skip, size)
         self._scan_skip -= pos
         unpack = _unpack_head
         heads = self._heads
         peer_reset = self._peer_reset
+        ended = self._peer_ended
+        new = self._scan_new
         while pos + 9 <= size:
             high, low, kind, flags, sid = unpack(data, pos)
             length = high << 16 | low
+            end = pos + 9 + length
+            interrupted = False
+            if (
+                kind <= 1
+                and sid <= self._scan_last
+                and ((sid not in heads and sid not in new) or sid in ended or sid in peer_reset)
+            ):
+                end, interrupted = _whole(data, sid, size, kind, flags, end)
+                if end < 0:
+                    if size - pos > self._cap + _WITHHELD_MORE or length > self._max_frame:
+                        end = pos + 9 + length  # (past any header block the guard lets through: as it comes)
+                    else:
+                        self._scan_head = bytes(data[pos:])
+                        return data, pos, None
             ends = False
             carried = 0
             if kind <= 1 or kind == 9:
@@ -366,31 +447,47 @@ class NgCodec:
                 ends = bool((kind != 9 and flags & 0x1) or (kind and flags & 0x4))
             try:
                 guard.check(kind, max(carried, 0), ends, bool(flags & 0x1) if kind == 4 else False)
-                if kind <= 3 and (kind or sid not in heads or sid in peer_reset):  # (not DATA on an open stream)
-                    self._scan_stream(kind, sid & 0x7FFFFFFF, pos + 9 + length - len(head))
+                if interrupted:  # (RFC 9113 6.10, found first, as hyper-h2 finds it before the stream's state)
+                    raise NgProtocolError(f"a frame inside the header block of stream {sid & 0x7FFFFFFF}")
+                if kind <= 3 and (kind or flags & 0x1 or sid not in heads or sid in peer_reset or sid in ended):
+                    # (not DATA on an open stream, short of its last)
+                    self._scan_stream(kind, flags, sid & 0x7FFFFFFF, pos, end, length, carried)
+                elif kind == 4 and flags & 0x1 and not length and not sid:  # a SETTINGS ACK
+                    if self._acks_due:
+                        self._acks_due -= 1
+                    else:
+                        self._late.append((pos, _SKIP, pos + 9))
             except ProtocolError as exc:
-                self._scan_head = b""
-                return max(pos - len(head), 0), exc
+                return data, pos, exc
             pos += 9 + length
         if pos > size:
             self._scan_skip = pos - size
-            self._scan_head = b""
-        else:
-            self._scan_head = bytes(data[pos:])
-        return size - len(head), None
+            return data, size, None
+        self._scan_head = bytes(data[pos:])
+        return data, pos, None
 
-    def _scan_stream(self, kind: int, sid: int, end: int) -> None:
-        """What the library is lax about, from a frame's header: RFC 9113 5.1.1 (a new stream's id above
-        every one opened: else a connection error) and 5.1 (a frame after the peer's RST_STREAM, DATA or
-        HEADERS on a closed stream: the stream's error STREAM_CLOSED, HEADERS on a stream the peer had
-        ended: the connection's; the library ignores them all), as hyper-h2 answers them."""
+    @property
+    def _max_frame(self) -> int:
+        """The largest frame we take (a larger one is the library's connection error)."""
+        return int(lib.nghttp2_session_get_local_settings(self._session, _SETTINGS_MAX_FRAME_SIZE))
+
+    def _scan_stream(self, kind: int, flags: int, sid: int, start: int, end: int, length: int, carried: int) -> None:
+        """What the library is lax or strict about, from a frame's header, answered as hyper-h2 answers
+        it: RFC 9113 5.1.1 (a new stream's id above every one opened: else a connection error) and 5.1
+        (a frame after the peer's RST_STREAM, DATA or HEADERS on a closed stream: the stream's error
+        STREAM_CLOSED, HEADERS on a stream the peer had ended: the connection's; the library ignores
+        them all; DATA or HEADERS on a half-closed (remote) stream: the stream's error STREAM_CLOSED,
+        where the library fails the connection)."""
         if kind == 3:  # RST_STREAM
             self._peer_reset[sid] = True
+            self._peer_ended.discard(sid)
             return
+        if flags & 0x8 and carried < 0 and kind <= 1:  # (a connection error, found by hyper-h2 as it parses)
+            raise NgProtocolError(f"padding past the end of a frame on stream {sid}")
         if kind == 2:  # PRIORITY: allowed on any stream
             return
         if sid in self._peer_reset:
-            self._late.append((sid, end))
+            self._late.append((end, _LATE, sid))
             return
         if not sid & 1:
             return
@@ -398,9 +495,19 @@ class NgCodec:
             if kind == 1:
                 self._scan_last = sid
                 self._scan_new.add(sid)
+                if flags & _END_STREAM:
+                    self._peer_ended.add(sid)
             return  # (DATA on an idle stream: the library's connection error)
-        if sid in self._heads or sid in self._scan_new:
-            return  # open (the common case, DATA on a stream whose request came)
+        if sid in self._heads or sid in self._scan_new:  # open (the common case, DATA on a stream whose request came)
+            if sid in self._peer_ended:
+                if length > self._max_frame:
+                    return  # (the library's connection error FRAME_SIZE_ERROR, as hyper-h2's)
+                self._peer_ended.discard(sid)
+                self._peer_reset[sid] = True  # (reset where the frame starts: a later frame is a late one)
+                self._late += ((start, _CLOSE, sid), (end, _ANSWER, sid))
+            elif flags & _END_STREAM:
+                self._peer_ended.add(sid)
+            return
         if lib.nghttp2_session_find_stream(self._session, sid) != ffi.NULL:
             return
         closed = self._closed_streams
@@ -411,7 +518,7 @@ class NgCodec:
             by_reset = True  # forgotten: taken for one we reset
         if kind == 1 and not by_reset:
             raise NgProtocolError(f"HEADERS on stream {sid}, which the client ended", ErrorCodes.STREAM_CLOSED)
-        self._late.append((sid, end))
+        self._late.append((end, _LATE, sid))
 
     def _scan_late(self, data: bytes | bytearray) -> tuple[int, ProtocolError | None]:
         """A client's scan of the frame headers in ``data``: DATA or HEADERS on a stream it closed and the
@@ -454,7 +561,7 @@ class NgCodec:
         if kind == 1 and not by_reset:
             # (h2's answer, a connection error: the library's would be to ignore the frame)
             raise NgProtocolError(f"HEADERS on stream {sid}, which has ended", ErrorCodes.STREAM_CLOSED)
-        self._late.append((sid, end))
+        self._late.append((end, _LATE, sid))
 
     # -- bytes out -----------------------------------------------------------------
 
@@ -544,6 +651,8 @@ class NgCodec:
         if out is None:
             if not self.stream_is_open(stream_id):
                 raise NgStreamClosedError(f"stream {stream_id} is closed", ErrorCodes.STREAM_CLOSED)
+            if lib.nghttp2_session_get_stream_local_close(self._session, stream_id):
+                raise NgProtocolError(f"stream {stream_id} has ended")  # (as hyper-h2's state machine says it)
             out = self._out[stream_id] = _Out()
             out.chunks.append(data)
             out.size = len(data)
@@ -688,6 +797,8 @@ class NgCodec:
             if ended:
                 evs.append(events.StreamEnded(sid))
         elif kind == 3:  # RST_STREAM
+            if sid not in self._heads and sid not in self._opened:
+                return  # (on a stream closed: the library reports it all the same)
             self._runs.pop(sid, None)
             self._reset_reported.add(sid)
             evs.append(events.StreamReset(sid, _code(a)))
@@ -805,6 +916,7 @@ class NgCodec:
         self._heads.discard(stream_id)
         self._opened.discard(stream_id)
         self._reset_reported.discard(stream_id)
+        self._peer_ended.discard(stream_id)
         self._drop(stream_id)
 
     def _drop(self, stream_id: int) -> None:
@@ -870,6 +982,22 @@ def _check(rv: int) -> None:
         if rv in (-510, -501):  # NGHTTP2_ERR_STREAM_CLOSED, NGHTTP2_ERR_INVALID_ARGUMENT on a stream
             raise NgStreamClosedError(message, ErrorCodes.STREAM_CLOSED)
         raise NgProtocolError(message)
+
+
+def _whole(data: bytes | bytearray, sid: int, size: int, kind: int, flags: int, end: int) -> tuple[int, bool]:
+    """Where the DATA frame (``kind`` 0) or the header block (1) of stream ``sid`` ends in ``data`` (``end``:
+    where its first frame ends), -1 if that is not in ``data`` yet; and whether another frame (or a
+    CONTINUATION of another stream) interrupts the header block (a connection error: the block then
+    ends with that frame)."""
+    if kind == 1:
+        while not flags & 0x4:  # (END_HEADERS)
+            if end + 9 > size:
+                return -1, False
+            high, low, kind, flags, other = _unpack_head(data, end)
+            end += 9 + (high << 16 | low)
+            if kind != 9 or other != sid:
+                return (end if end <= size else -1), True
+    return (end if end <= size else -1), False
 
 
 def _code(value: int) -> int:

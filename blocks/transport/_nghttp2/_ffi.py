@@ -164,12 +164,14 @@ int nghttp2_session_resume_data(nghttp2_session *session, int32_t stream_id);
 int32_t nghttp2_session_get_stream_remote_window_size(nghttp2_session *session, int32_t stream_id);
 int32_t nghttp2_session_get_remote_window_size(nghttp2_session *session);
 uint32_t nghttp2_session_get_remote_settings(nghttp2_session *session, int id);
+uint32_t nghttp2_session_get_local_settings(nghttp2_session *session, int id);
 int32_t nghttp2_session_get_last_proc_stream_id(nghttp2_session *session);
 uint32_t nghttp2_session_get_next_stream_id(nghttp2_session *session);
 int32_t nghttp2_session_get_local_window_size(nghttp2_session *session);
 int32_t nghttp2_session_get_effective_recv_data_length(nghttp2_session *session);
 nghttp2_stream *nghttp2_session_find_stream(nghttp2_session *session, int32_t stream_id);
 int nghttp2_stream_get_state(nghttp2_stream *stream);
+int nghttp2_session_get_stream_local_close(nghttp2_session *session, int32_t stream_id);
 const char *nghttp2_strerror(int lib_error_code);
 """
 
