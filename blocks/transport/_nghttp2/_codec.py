@@ -1025,15 +1025,11 @@ def _goaway(last_stream_id: int, error_code: int) -> bytes:
     return (8 << 48 | 0x7 << 40).to_bytes(9) + last_stream_id.to_bytes(4) + int(error_code).to_bytes(4)
 
 
-def _nv_array(headers: Any) -> tuple[Any, Any]:
-    """A header list as ``nghttp2_nv[]``; the second item, the buffers it points into, must live as
-    long as the call that takes the array (the library copies the fields).
-
-    The array is packed by ``struct`` in one call where ``nghttp2_nv`` has the layout of an LP64 ABI
-    (:data:`_NV_PACKED`), field by field through cffi elsewhere.
-    """
+def _flatten(headers: Any) -> tuple[list[bytes], bytes, bytearray]:
+    """A header list's names and values in order, joined into one buffer, and each field's nv flags
+    (never-indexed for an ``hpack.NeverIndexedHeaderTuple``)."""
     parts = []
-    flags = []
+    flags = bytearray()
     for field in headers:
         name, value = field
         parts.append(name)
@@ -1044,6 +1040,17 @@ def _nv_array(headers: Any) -> tuple[Any, Any]:
     except TypeError:  # (a field given as str: encoded as h2 would)
         parts = [part.encode() if isinstance(part, str) else bytes(part) for part in parts]
         joined = b"".join(parts)
+    return parts, joined, flags
+
+
+def _nv_array(headers: Any) -> tuple[Any, Any]:
+    """A header list as ``nghttp2_nv[]``; the second item, the buffers it points into, must live as
+    long as the call that takes the array (the library copies the fields).
+
+    The array is packed by ``struct`` in one call where ``nghttp2_nv`` has the layout of an LP64 ABI
+    (:data:`_NV_PACKED`), field by field through cffi elsewhere.
+    """
+    parts, joined, flags = _flatten(headers)
     base = _from_buffer(_CHAR_ARRAY, joined, False)
     count = len(flags)
     if _NV_PACKED:
@@ -1072,18 +1079,7 @@ def _submit_headers(session: Any, flags: int, stream_id: int, headers: Any) -> i
     if not SHIM:
         nva, _keep = _nv_array(headers)
         return int(lib.nghttp2_submit_headers(session, flags, stream_id, ffi.NULL, nva, len(headers), ffi.NULL))
-    parts = []
-    flagged = bytearray()
-    for field in headers:
-        name, value = field
-        parts.append(name)
-        parts.append(value)
-        flagged.append(_NO_INDEX if type(field) is _NEVER_INDEXED else 0)
-    try:
-        joined = b"".join(parts)
-    except TypeError:  # (a field given as str: encoded as h2 would)
-        parts = [part.encode() if isinstance(part, str) else bytes(part) for part in parts]
-        joined = b"".join(parts)
+    parts, joined, flagged = _flatten(headers)
     lengths = _pack(f"={len(parts)}I", *map(len, parts))
     return int(lib.pb_submit_headers(session, flags, stream_id, joined, lengths, bytes(flagged), len(flagged)))
 
