@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import io
 import json
 import math
 import os
@@ -106,6 +107,16 @@ def _supervised() -> _Supervised | None:
     except OSError:  # no such descriptor: no parent to report to
         return None
     return _Supervised(index, count, fd)
+
+
+def _whole_lines(*streams: object) -> None:
+    """Make each text stream write a printed line in one ``write`` (and at once), as a pipe several
+    processes share needs: ``PYTHONUNBUFFERED`` (``-u``) writes a ``print``'s text and its newline
+    apart, and another process's line lands between them. A line up to ``PIPE_BUF`` (4 KiB) is then
+    whole on a pipe."""
+    for stream in streams:
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _report(slot: _Supervised, **message: object) -> None:
@@ -410,7 +421,11 @@ def run_until_signal(
     SIGINT or SIGTERM, and serves the merged admin listener on
     ``operations.admin_port``. Each of those processes runs ``start``
     here, reporting to the parent instead of printing these lines.
+
+    Every line the command prints is one write (:func:`_whole_lines`): the
+    parent and its processes share stdout and stderr.
     """
+    _whole_lines(sys.stdout, sys.stderr)
     slot = _supervised()
     if slot is None and operations is not None and operations.processes > 1:
         from blocks._supervisor import supervise  # (it imports this module)

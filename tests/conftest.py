@@ -32,6 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
     name = config.getoption("--codec")
     use_codec(name)  # (CodecUnavailable, one line, where libnghttp2 is missing)
     os.environ["PROXYBLOCKS_CODEC"] = name
+    os.environ["PYTHONUNBUFFERED"] = "1"  # every command a test starts runs as a container runs it: no stdio buffer
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import io
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from support import Lines, curl, http_server, start_python, start_recipe
 from test_startup_errors import assert_one_line_error, run_recipe
 
 from blocks import Chain, Request, Response, WorkerSessionConfig, serve_chain, serve_http
-from blocks.command import SUPERVISED_VARIABLE, _Supervised, _supervised
+from blocks.command import SUPERVISED_VARIABLE, _Supervised, _supervised, _whole_lines
 from blocks.http import BytesBody
 from blocks.observe import ProcessAdmin, merge_metrics, serve_merged_admin
 from blocks.scheduler import SchedulerConfig, TenantPolicy
@@ -498,6 +499,33 @@ def test_the_link_to_the_parent_is_not_inherited(monkeypatch: pytest.MonkeyPatch
             assert not theirs.get_inheritable()
         finally:
             _supervised.cache_clear()
+
+
+class _Writes(io.RawIOBase):
+    """A raw stream that keeps each ``write`` it is given, as a pipe's reader would see them arrive."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+@given(st.lists(st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=1000)))
+def test_a_printed_line_is_one_write_under_pythonunbuffered(lines: list[str]) -> None:
+    """The parent and its processes share stdout: a line printed by one must not be split by another's.
+    ``-u`` (``PYTHONUNBUFFERED``, as containers set it) writes a print's text and its newline apart."""
+    raw = _Writes()
+    stream = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)  # (what -u makes of stdout)
+    _whole_lines(stream)
+    for line in lines:
+        print(line, file=stream)
+        assert raw.writes[-1:] == [f"{line}\n".encode()]
+    assert len(raw.writes) == len(lines)
 
 
 def _alive(pid: int) -> bool:
