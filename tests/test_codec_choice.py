@@ -44,7 +44,7 @@ async def test_an_unknown_codec_is_one_line_and_exit_code_2() -> None:
 
 def _mode(**env: str) -> list[str]:
     """MODE and SHIM_REASON of the nghttp2 codec in a fresh interpreter with ``env`` added."""
-    code = "import blocks.transport._nghttp2._codec as c; print(c.MODE); print(c.SHIM_REASON)"
+    code = "import blocks.transport._nghttp2 as c; print(c.MODE); print(c.SHIM_REASON)"
     result = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **env},

@@ -134,7 +134,6 @@ from blocks.transport._codec import (
 from blocks.transport.listener import ListenerConfig
 
 _ng = pytest.importorskip("blocks.transport._nghttp2", reason="libnghttp2 is not loadable here")
-_ng_codec = pytest.importorskip("blocks.transport._nghttp2._codec")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 CONFIG = ListenerConfig()
@@ -736,7 +735,7 @@ def test_the_codecs_agree(chunks: list[bytes], answers: list[list[tuple[Any, ...
 # -- both of the nghttp2 codec's modes in the default suite ----------------------------------------------------
 
 
-@pytest.mark.skipif(_ng_codec.MODE == "abi", reason="this run is in ABI mode already")
+@pytest.mark.skipif(_ng.MODE == "abi", reason="this run is in ABI mode already")
 def test_conformance_in_abi_mode() -> None:
     """tests/test_conformance.py on the libnghttp2 codec in cffi's ABI mode (the shim's callbacks in Python)."""
     env = dict(os.environ, PROXYBLOCKS_NGHTTP2_SHIM="0", PYTHONPATH=str(ROOT))

@@ -12,8 +12,13 @@ its HTTP messaging rules, so a field the library would drop silently
 reaches the validator, which answers 400).
 
 Where each piece is: ``_ffi`` (the declarations, and loading the system
-library in cffi's ABI mode: no compiler needed), ``_codec``
-(:class:`NgCodec`, its callbacks), ``_events`` (the event classes).
+library in cffi's ABI mode: no compiler needed), ``_shim`` (the C shim,
+built on first use), ``_library`` (which of the two is in use, its
+constants and errors), ``_codec`` (:class:`NgCodec`), ``_scan`` (each
+read's frame headers checked before the library sees them), ``_reports``
+(what the library parsed, as the contract's events), ``_headers``
+(header lists handed to the library), ``_events`` (the event classes).
+``MODE`` and ``SHIM_REASON`` say how the library is reached.
 
 :func:`make_nghttp2` takes what ``make_h2`` takes. Importing this package
 raises ``ImportError`` with a one-line reason where libnghttp2 cannot be
@@ -24,9 +29,10 @@ choice of hyper-h2 (``auto``) or a clear error (``nghttp2``).
 from __future__ import annotations
 
 from blocks.transport._codec import GuardedFrameBuffer
-from blocks.transport._nghttp2._codec import NgCodec, NgProtocolError, NgStreamClosedError
+from blocks.transport._nghttp2._codec import NgCodec
+from blocks.transport._nghttp2._library import MODE, SHIM_REASON, NgProtocolError, NgStreamClosedError
 
-__all__ = ["NgCodec", "NgProtocolError", "NgStreamClosedError", "make_nghttp2"]
+__all__ = ["MODE", "SHIM_REASON", "NgCodec", "NgProtocolError", "NgStreamClosedError", "make_nghttp2"]
 
 _HEADER_TABLE_SIZE = 1
 _MAX_CONCURRENT_STREAMS = 3
