@@ -326,8 +326,13 @@ class NgCodec:
         stream is its stream's error STREAM_CLOSED. The session resets the stream now; what it frames for
         that, and the ``StreamReset`` (``remote_reset`` False, as hyper-h2 reports it), are returned to be
         written once the frame is in (:meth:`_receive_answering_late`)."""
-        if not self.stream_is_open(sid) or sid in self._reset_reported:
-            return None  # (closed or reset since the scan: the session takes the frame for a late one)
+        if not self.stream_is_open(sid):
+            return None  # (closed since the scan: the session takes the frame for a late one)
+        if sid in self._reset_reported:
+            # Reset since the scan (by the driver, or by the library for a stream error earlier in the read):
+            # its RST_STREAM goes now, so that the session closes the stream and takes the frame for a late one.
+            self._take()
+            return None
         self._take()  # (what was queued before goes out first, as in reset_stream)
         self._drop(sid)
         self._runs.pop(sid, None)
@@ -451,6 +456,8 @@ class NgCodec:
             return
         if not self.stream_is_open(stream_id):
             raise NgStreamClosedError(f"stream {stream_id} is closed", ErrorCodes.STREAM_CLOSED)
+        if lib.nghttp2_session_get_stream_local_close(session, stream_id):
+            raise NgProtocolError(f"stream {stream_id} has ended")  # (the library would send them)
         check(submit_headers(session, flags, stream_id, headers))
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:

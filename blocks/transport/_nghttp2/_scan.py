@@ -35,6 +35,7 @@ class Scan:
         "acks_due",
         "cap",
         "closed",
+        "cut",
         "guard",
         "head",
         "heads",
@@ -68,6 +69,9 @@ class Scan:
         self.skip = 0 if client_side else 24  # (guard) bytes of the frame being scanned still to come: the preface
         # a frame header cut by the end of a read (on a server, with what follows it: withheld from the library)
         self.head = b""
+        # (guard) the stream of a DATA or HEADERS frame on an open stream that a read cut: hyper-h2 judges a frame
+        # once it is whole, and the driver may reset its stream before then
+        self.cut = 0
         self.last = 0  # (guard) the highest stream the client opened
         self.new: set[int] = set()  # (guard) the streams opened in the read being scanned
         self.peer_reset = ClosedStreams(CLOSED_STREAMS)  # (guard) streams the client reset
@@ -100,6 +104,10 @@ class Scan:
             self.new.clear()
         pos = min(self.skip, size)
         self.skip -= pos
+        if self.cut and not self.skip:  # (the frame a read cut on an open stream ends here)
+            if self.cut not in self.heads:  # its stream was reset since: answered as the whole frame is
+                self.late.append((pos, LATE, self.cut))
+            self.cut = 0
         unpack = unpack_head
         heads = self.heads
         peer_reset = self.peer_reset
@@ -148,6 +156,8 @@ class Scan:
             pos += 9 + length
         if pos > size:
             self.skip = pos - size
+            if kind <= 1 and sid in heads:
+                self.cut = sid
             return data, size, None
         self.head = bytes(data[pos:])
         return data, pos, None
@@ -184,7 +194,11 @@ class Scan:
                 if flags & END_STREAM:
                     self.peer_ended.add(sid)
             return  # (DATA on an idle stream: the library's connection error)
-        if sid in self.heads or sid in self.new:  # open (the common case, DATA on a stream whose request came)
+        if (
+            sid in self.heads  # open (the common case, DATA on a stream whose request came)
+            or sid in self.new
+            or lib.nghttp2_session_find_stream(self.session, sid) != ffi.NULL  # (its header block still coming)
+        ):
             if sid in self.peer_ended:
                 if length > self.max_frame:
                     return  # (the library's connection error FRAME_SIZE_ERROR, as hyper-h2's)
@@ -193,8 +207,6 @@ class Scan:
                 self.late += ((start, CLOSE, sid), (end, ANSWER, sid))
             elif flags & END_STREAM:
                 self.peer_ended.add(sid)
-            return
-        if lib.nghttp2_session_find_stream(self.session, sid) != ffi.NULL:
             return
         closed = self.closed
         by_reset = closed.get(sid)
