@@ -101,6 +101,41 @@ class NgCodec:
     }
     name = "nghttp2"
 
+    __slots__ = (
+        "_acknowledged",
+        "_block",
+        "_block_size",
+        "_cap",
+        "_chunks",
+        "_closed_streams",
+        "_error",
+        "_error_message",
+        "_events",
+        "_goaway_code",
+        "_handle",
+        "_heads",
+        "_highest_inbound",
+        "_log",
+        "_opened",
+        "_out",
+        "_overflowed",
+        "_padding",
+        "_patch_streams",
+        "_peer_window",
+        "_provider",
+        "_received",
+        "_reset_reported",
+        "_runs",
+        "_scan",
+        "_sent",
+        "_session",
+        "_settings",
+        "_terminated",
+        "_unframed",
+        "client_side",
+        "guard",
+    )
+
     def __init__(
         self,
         *,
@@ -123,6 +158,7 @@ class NgCodec:
         self._events: list[Any] = []
         self._error: ProtocolError | None = None  # a connection error a callback found (then it fails)
         self._error_message = ""
+        self._goaway_code: int = ErrorCodes.PROTOCOL_ERROR  # (the code of our GOAWAY, once _goaway_sent found it)
         self._block: list[tuple[bytes, bytes]] = []  # the header block being received
         self._block_size = 0
         self._chunks: list[bytes] = []  # the DATA frame being received
@@ -550,8 +586,6 @@ class NgCodec:
                 found = True
             pos += 9 + length
         return found
-
-    _goaway_code: int = ErrorCodes.PROTOCOL_ERROR
 
     # -- callbacks (recording only: see the module docstring) -------------------------------
 
