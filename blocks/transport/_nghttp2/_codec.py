@@ -102,6 +102,7 @@ class NgCodec:
     name = "nghttp2"
 
     __slots__ = (
+        "__dict__",  # (made only when something sets another attribute: a test wrapping receive_data, say)
         "_acknowledged",
         "_block",
         "_block_size",
