@@ -57,7 +57,7 @@ from typing import Any
 
 import trio
 
-from blocks import Chain, EtcdSource, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
+from blocks import Chain, EtcdSource, ProxyConfig, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
 from blocks.command import CommandParser, Operations, at_least, run_until_signal, seconds
 from blocks.routing import Address
 from blocks.topology import LOOPBACK, App, hop_from_url, hop_options, proxy_sections, replica_from_url, replica_url
@@ -88,7 +88,9 @@ async def main(
     routes_file: Path | None = None,
     replica_urls: Sequence[str] = (),
     apps: Mapping[str, App] | None = None,
-    next_hop: Address | None = None,
+    next_hops: Sequence[Address] = (),
+    proxies: int = 1,
+    workers: int = 1,
     route_source: str | None = None,
     reread: Callable[[], object] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -101,25 +103,33 @@ async def main(
     ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``.
     ``options``: each hop's keywords from the config file (:func:`~blocks.topology.hop_options`)."""
     routed = bool(replica_urls or apps)
-    if next_hop is None and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
+    if not next_hops and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
         raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
+    if role != "chain" and max(proxies, workers) > 1:
+        raise ValueError(f"--proxies and --workers are for --role chain; run one --role {role} process each")
     hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
 
     async def build(chain: Chain) -> None:
         chain.front = "edge" if role == "chain" else role  # (where the access log goes, unless told)
         demo = range(replicas if role == "chain" and not replica_urls else 0)  # (none behind your --replica)
-        local = {f"replica-{i}": await chain.start_replica(f"replica-{i}", protocol=replica_protocol) for i in demo}
-        worker = next_hop
-        if role in ("chain", "worker"):
+        behind: list[Address] = list(next_hops)  # the proxies' workers
+        for j in range(1, workers + 1 if role in ("chain", "worker") else 1):  # each beside its own replicas
+            named = f"replica-{{}}@worker-{j}" if workers > 1 else "replica-{}"
+            local = {
+                named.format(i): await chain.start_replica(named.format(i), protocol=replica_protocol) for i in demo
+            }
             upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
-            server, _ = await chain.start_worker(local, app=None, upstream=upstream, **hops["worker"])
-            worker = (host, server.port)
+            name = f"worker-{j}" if workers > 1 else "worker"
+            server, _ = await chain.start_worker(local, app=None, upstream=upstream, name=name, **hops["worker"])
+            behind.append((host, server.port))
+            if local:
+                chain.route({"demo": App(("*",), local)}, worker=behind[-1], layer=name)
         if role in ("chain", "proxy"):
 
             def route(urls: Sequence[str], more: Mapping[str, App] | None) -> None:
                 yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(urls)}
-                if worker is not None:
-                    chain.route({"demo": App(("*",), yours or local), **(more or {})}, worker=worker)
+                if behind:
+                    chain.route({"demo": App(("*",), yours), **(more or {})}, workers=behind)
 
             route(replica_urls, apps)
             if reread is not None:
@@ -128,12 +138,16 @@ async def main(
                 chain.follow_route_file(routes_file)
             source = EtcdSource(route_source) if route_source else None
             upstream = UpstreamConfig(response_timeout=replica_timeout + 5)  # > the worker's: its 504 shows
-            await chain.start_proxy(source=source, scheduler=scheduler, upstream=upstream, **hops["proxy"])
+            for k in range(1, proxies + 1):  # N proxies share one route cache
+                proxy = ProxyConfig(name=f"proxy-{k}" if proxies > 1 else "proxy")
+                await chain.start_proxy(
+                    source=source, scheduler=scheduler, upstream=upstream, config=proxy, **hops["proxy"]
+                )
         if role in ("chain", "edge"):
             upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
-            proxy = next_hop if role == "edge" else None
+            front = next_hops if role == "edge" else ()
             await chain.start_edge(
-                port=port, proxy=proxy, tls=tls, cert=cert, key=key, cert_dir=cert_dir, upstream=upstream
+                port=port, proxies=front, tls=tls, cert=cert, key=key, cert_dir=cert_dir, upstream=upstream
             )
 
     await serve_chain(build, host=host, announce=announce, operations=operations, task_status=task_status)
@@ -145,9 +159,12 @@ def run() -> None:
     parser.add_serving_flags()
     flag = parser.add_argument
     flag("--role", choices=("chain", "edge", "proxy", "worker"), default="chain", help="every hop, or this one")
-    flag("--next-hop", type=hop_from_url, metavar="URL", help="the edge's proxy, the proxy's worker (h2c://host:port)")
+    hop = "the edge's proxies, the proxy's workers (h2c://host:port, repeatable)"
+    flag("--next-hop", dest="next_hops", action="append", type=hop_from_url, default=[], metavar="URL", help=hop)
+    flag("--proxies", type=at_least(1), default=1, help="proxies in the chain, the edge spreading over them")
+    flag("--workers", type=at_least(1), default=1, help="workers in the chain (or this role), each with its replicas")
     flag("--route-source", metavar="URL", help="the proxy's routes from this etcd (http://host:2379)")
-    flag("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
+    flag("--replicas", type=at_least(1), default=2, help="demo replicas behind each worker")
     flag("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> demo replica protocol")
     flag("--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504")
     flag("--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler")

@@ -52,9 +52,19 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset, UpstreamConnectError, error_field
+from blocks.errors import (
+    NEXT_HOP_REASONS,
+    UPSTREAM_REASONS,
+    BlocksError,
+    HopFailed,
+    NoRoute,
+    StreamReset,
+    UpstreamConnectError,
+    error_field,
+)
 from blocks.fields import ERROR_HEADER
 from blocks.http import Headers, Request, Response, abandon, error_response
+from blocks.routing import format_address
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
 from blocks.transport import Address
@@ -191,7 +201,7 @@ class Exchange:
             for i, (name, value) in enumerate(headers):
                 if name == ERROR_HEADER:
                     if b"hop=" not in value:
-                        headers[i] = error_field(value.decode("latin-1"), hop.name)
+                        headers[i] = hop.error_field(value.decode("latin-1"), self)
                     break
         for response in hop._responses:
             response(self, status, headers)
@@ -374,6 +384,30 @@ class Hop:
         to send it instead (already dispatched there), or None to answer the error. Once per exchange."""
         return None
 
+    upstream_kind = "next"
+    """What this hop's upstream is, in its error fields: ``next`` (another hop) or ``replica`` (the worker's)."""
+
+    def error_field(self, reason: str, exchange: Exchange | None = None) -> tuple[bytes, bytes]:
+        """The ``proxyblocks-error`` field of this hop's own error: ``REASON; hop=NAME``, and for a failure
+        of its upstream, which one (``; next=proxy-2 (127.0.0.1:9000)``, ``; replica=replica-0 (...)``).
+
+        A hop that is not the last calls an upstream it cannot reach
+        ``next_hop_unreachable`` (``next_hop_refused``), so that
+        ``replica_unreachable`` only ever means a worker could not reach a replica.
+        """
+        if exchange is None or exchange.forward is None or reason not in UPSTREAM_REASONS:
+            return error_field(reason, self.name)
+        kind = self.upstream_kind
+        if kind == "next":
+            reason = NEXT_HOP_REASONS.get(reason, reason)
+        return (ERROR_HEADER, f"{reason}; hop={self.name}; {kind}={self.upstream_label(exchange)}".encode())
+
+    def upstream_label(self, exchange: Exchange) -> str:
+        """How this hop's error fields name the upstream ``exchange`` went to: its address (``host:port``)."""
+        forward = exchange.forward
+        assert forward is not None
+        return format_address(forward.address)
+
     def error_answer(self, request: Request, error: BlocksError) -> Response:
         """This hop's answer to ``error``: its status, ``proxyblocks-error: REASON; hop=NAME``, a one-line
         body saying the same, and this hop's Server-Timing entries (its wait on the upstream, if it sent)."""
@@ -386,7 +420,7 @@ class Hop:
             assert exchange is not None
             timing.upstream = perf_counter() - exchange.start
         entries = timing.entries(self.name, upstream_name=self.upstream_name if sent else None, total=self.total)
-        headers = add_server_timing([*error.headers, error_field(error.error_reason, self.name)], entries)
+        headers = add_server_timing([*error.headers, self.error_field(error.error_reason, exchange)], entries)
         if self._answered:
             if exchange is None:
                 exchange = Exchange(self, request)
@@ -512,7 +546,7 @@ class Hop:
             except BaseException as exc:
                 if replayable and isinstance(exc, UpstreamConnectError):
                     replayable = False
-                    again = self.retry(exchange, exc.status, [error_field(exc.error_reason, self.name)])
+                    again = self.retry(exchange, exc.status, [self.error_field(exc.error_reason, exchange)])
                     if again is not None:
                         forward = again
                         continue

@@ -204,10 +204,16 @@ class Router(Feature):
         ]
         return Forward(replica.worker, headers)
 
-    def alternative(self, exchange: Exchange, failed: Replica) -> Replica | None:
-        """Another of the app's replicas than ``failed``, by the policy among those not ejected; None if none."""
+    def alternative(self, exchange: Exchange, failed: Replica, *, other_worker: bool = False) -> Replica | None:
+        """Another of the app's replicas than ``failed``, by the policy among those not ejected; None if none.
+
+        ``other_worker``: ``failed``'s worker itself failed, so none behind it is taken while another is left.
+        """
         app = exchange.app
         candidates = [r for r in self.routes.replicas(app) if r.name != failed.name] if app is not None else []
+        if other_worker:
+            elsewhere = [r for r in candidates if r.worker != failed.worker]
+            candidates = elsewhere or candidates
         if not candidates:
             return None
         if self.outliers is not None:
@@ -374,7 +380,8 @@ class Proxy(Hop):
 
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """Once per request, one that reached no replica (the worker says ``replica_unreachable`` or
-        ``replica_refused``, or the worker itself was unreachable) goes to another replica of its app.
+        ``replica_refused``, or the worker itself was unreachable: ``next_hop_unreachable``, then a
+        replica behind another worker is taken) goes to another replica of its app.
 
         The failure counts for the first replica's outlier detection; a
         session's request (pinned, not picked) is never moved.
@@ -384,13 +391,14 @@ class Proxy(Hop):
             return None
         for name, value in headers:
             if name == ERROR_HEADER:
-                if value.partition(b";")[0] not in RETRYABLE_REASONS:
+                reason = value.partition(b";")[0]
+                if reason not in RETRYABLE_REASONS:
                     return None
                 break
         else:
             return None
         exchange.retried = True
-        replica = self.router.alternative(exchange, failed)
+        replica = self.router.alternative(exchange, failed, other_worker=reason.startswith(b"next_hop"))
         if replica is None:
             return None
         exchange.failed(status, headers)

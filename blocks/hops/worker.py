@@ -178,6 +178,11 @@ class Worker(Hop):
     """
 
     upstream_name = "app"
+    upstream_kind = "replica"
+
+    def upstream_label(self, exchange: Exchange) -> str:
+        """A replica in this worker's error fields: ``NAME (host:port)``."""
+        return f"{exchange.replica or '-'} ({super().upstream_label(exchange)})"
 
     def __init__(
         self,
