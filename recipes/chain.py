@@ -91,6 +91,7 @@ async def main(
     next_hops: Sequence[Address] = (),
     proxies: int = 1,
     workers: int = 1,
+    name: str | None = None,
     route_source: str | None = None,
     reread: Callable[[], object] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -107,6 +108,8 @@ async def main(
         raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
     if role != "chain" and max(proxies, workers) > 1:
         raise ValueError(f"--proxies and --workers are for --role chain; run one --role {role} process each")
+    if role == "chain" and name is not None:
+        raise ValueError("--name names the hop of a --role edge, proxy or worker process")
     hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
 
     async def build(chain: Chain) -> None:
@@ -119,11 +122,11 @@ async def main(
                 named.format(i): await chain.start_replica(named.format(i), protocol=replica_protocol) for i in demo
             }
             upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
-            name = f"worker-{j}" if workers > 1 else "worker"
-            server, _ = await chain.start_worker(local, app=None, upstream=upstream, name=name, **hops["worker"])
+            worker = name or (f"worker-{j}" if workers > 1 else "worker")
+            server, _ = await chain.start_worker(local, app=None, upstream=upstream, name=worker, **hops["worker"])
             behind.append((host, server.port))
             if local:
-                chain.route({"demo": App(("*",), local)}, worker=behind[-1], layer=name)
+                chain.route({"demo": App(("*",), local)}, worker=behind[-1], layer=worker)
         if role in ("chain", "proxy"):
 
             def route(urls: Sequence[str], more: Mapping[str, App] | None) -> None:
@@ -139,7 +142,7 @@ async def main(
             source = EtcdSource(route_source) if route_source else None
             upstream = UpstreamConfig(response_timeout=replica_timeout + 5)  # > the worker's: its 504 shows
             for k in range(1, proxies + 1):  # N proxies share one route cache
-                proxy = ProxyConfig(name=f"proxy-{k}" if proxies > 1 else "proxy")
+                proxy = ProxyConfig(name=name or (f"proxy-{k}" if proxies > 1 else "proxy"))
                 await chain.start_proxy(
                     source=source, scheduler=scheduler, upstream=upstream, config=proxy, **hops["proxy"]
                 )
@@ -147,7 +150,14 @@ async def main(
             upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
             front = next_hops if role == "edge" else ()
             await chain.start_edge(
-                port=port, proxies=front, tls=tls, cert=cert, key=key, cert_dir=cert_dir, upstream=upstream
+                port=port,
+                proxies=front,
+                name=name or "edge",
+                tls=tls,
+                cert=cert,
+                key=key,
+                cert_dir=cert_dir,
+                upstream=upstream,
             )
 
     await serve_chain(build, host=host, announce=announce, operations=operations, task_status=task_status)
@@ -162,7 +172,8 @@ def run() -> None:
     hop = "the edge's proxies, the proxy's workers (h2c://host:port, repeatable)"
     flag("--next-hop", dest="next_hops", action="append", type=hop_from_url, default=[], metavar="URL", help=hop)
     flag("--proxies", type=at_least(1), default=1, help="proxies in the chain, the edge spreading over them")
-    flag("--workers", type=at_least(1), default=1, help="workers in the chain (or this role), each with its replicas")
+    flag("--workers", type=at_least(1), default=1, help="workers in the chain, each with its own demo replicas")
+    flag("--name", help="this hop's name, in server-timing, errors and logs (default: its role)")
     flag("--route-source", metavar="URL", help="the proxy's routes from this etcd (http://host:2379)")
     flag("--replicas", type=at_least(1), default=2, help="demo replicas behind each worker")
     flag("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> demo replica protocol")

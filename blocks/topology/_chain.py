@@ -285,6 +285,7 @@ class Chain:
         port: int = 0,
         proxy: Address | None = None,
         proxies: Sequence[Address] = (),
+        name: str = "edge",
         tls: bool = False,
         cert_dir: Path | None = None,
         cert: Path | None = None,
@@ -322,7 +323,7 @@ class Chain:
             if not self.proxies:
                 raise RuntimeError("the chain's proxy has not started")
             proxies = [(self.host, server.port) for server, _ in self.proxies]
-        config = EdgeConfig(proxies=proxies)
+        config = EdgeConfig(proxies=proxies, name=name)
         options = self._shared(await self._observed("edge", options), port, ListenerConfig())
         serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
         self._edge = await self._nursery.start(serve)
