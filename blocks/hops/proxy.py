@@ -207,15 +207,16 @@ class Router(Feature):
     def alternative(self, exchange: Exchange, failed: Replica, *, other_worker: bool = False) -> Replica | None:
         """Another of the app's replicas than ``failed``, by the policy among those not ejected; None if none.
 
-        Not the same server behind another worker either, while another is
-        left; ``other_worker``: ``failed``'s worker itself failed, so none
-        behind it is taken while another is left.
+        While another is left: not the same server behind another worker
+        either, or, with ``other_worker`` (``failed``'s worker itself
+        failed), none behind that worker.
         """
         app = exchange.app
         candidates = [r for r in self.routes.replicas(app) if r.name != failed.name] if app is not None else []
-        elsewhere = [
-            r for r in candidates if r.address != failed.address and not (other_worker and r.worker == failed.worker)
-        ]
+        if other_worker:
+            elsewhere = [r for r in candidates if r.worker != failed.worker]
+        else:
+            elsewhere = [r for r in candidates if r.address != failed.address]
         candidates = elsewhere or candidates
         if not candidates:
             return None
