@@ -92,6 +92,7 @@ async def main(
     proxies: int = 1,
     workers: int = 1,
     name: str | None = None,
+    advertise: Address | None = None,
     route_source: str | None = None,
     reread: Callable[[], object] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -104,12 +105,18 @@ async def main(
     ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``.
     ``options``: each hop's keywords from the config file (:func:`~blocks.topology.hop_options`)."""
     routed = bool(replica_urls or apps)
-    if not next_hops and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
+    if not next_hops and (
+        (role == "edge" and not route_source) or (role == "proxy" and (routed or not (route_source or routes_file)))
+    ):
         raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
     if role != "chain" and max(proxies, workers) > 1:
         raise ValueError(f"--proxies and --workers are for --role chain; run one --role {role} process each")
     if role == "chain" and name is not None:
         raise ValueError("--name names the hop of a --role edge, proxy or worker process")
+    if role == "worker" and routed and not route_source:
+        raise ValueError("--role worker registers its --replica servers in the etcd of --route-source, which it needs")
+    if route_source and role in ("worker", "proxy") and host in ("0.0.0.0", "::") and advertise is None:
+        raise ValueError(f"--role {role} --host {host} registers in --route-source: say where with --advertise")
     hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
 
     async def build(chain: Chain) -> None:
@@ -127,6 +134,10 @@ async def main(
             behind.append((host, server.port))
             if local:
                 chain.route({"demo": App(("*",), local)}, worker=behind[-1], layer=worker)
+            if role == "worker" and route_source:  # the replicas beside it, known to every proxy of the fleet
+                yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(replica_urls)}
+                fleet = {"demo": App(("*",), yours), **(apps or {})} if yours else dict(apps or {})
+                await chain.register_replicas(EtcdSource(route_source), fleet, worker=advertise or behind[-1])
         if role in ("chain", "proxy"):
 
             def route(urls: Sequence[str], more: Mapping[str, App] | None) -> None:
@@ -146,12 +157,15 @@ async def main(
                 await chain.start_proxy(
                     source=source, scheduler=scheduler, upstream=upstream, config=proxy, **hops["proxy"]
                 )
+            if role == "proxy" and source is not None:  # known to every edge that follows the etcd
+                await chain.register_proxy(source, address=advertise or (host, chain.proxy_server.port))
         if role in ("chain", "edge"):
             upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
             front = next_hops if role == "edge" else ()
             await chain.start_edge(
                 port=port,
                 proxies=front,
+                proxies_from=EtcdSource(route_source) if route_source and role == "edge" else None,
                 name=name or "edge",
                 tls=tls,
                 cert=cert,
@@ -174,7 +188,10 @@ def run() -> None:
     flag("--proxies", type=at_least(1), default=1, help="proxies in the chain, the edge spreading over them")
     flag("--workers", type=at_least(1), default=1, help="workers in the chain, each with its own demo replicas")
     flag("--name", help="this hop's name, in server-timing, errors and logs (default: its role)")
-    flag("--route-source", metavar="URL", help="the proxy's routes from this etcd (http://host:2379)")
+    where = "the host:port other hops reach this one at, as registered in --route-source (default: --host, --port)"
+    flag("--advertise", type=hop_from_url, metavar="HOST:PORT", help=where)
+    fleet = "the fleet's etcd (http://host:2379): the proxy's routes; workers and proxies register there"
+    flag("--route-source", metavar="URL", help=fleet)
     flag("--replicas", type=at_least(1), default=2, help="demo replicas behind each worker")
     flag("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> demo replica protocol")
     flag("--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504")

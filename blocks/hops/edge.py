@@ -94,7 +94,8 @@ class EdgeConfig:
     requests across them (least in flight), ejects one that cannot be
     reached (``outliers``), and sends a request that never reached one to
     another (:meth:`Edge.retry`). They are named ``proxy-1``, ``proxy-2``...
-    in that order (:meth:`next_hops`). ``proxy``: one proxy, the same as
+    in that order (:meth:`next_hops`); none, when the edge reads them from
+    a route store (:func:`serve_edge`'s ``next_hops``). ``proxy``: one proxy, the same as
     ``proxies=(proxy,)``. ``trust_forwarded``: keep the client's own
     ``x-forwarded-*`` fields (only behind another trusted hop).
     ``outliers``: when a proxy is taken out of selection (None: never).
@@ -111,8 +112,6 @@ class EdgeConfig:
             if self.proxies:
                 raise ValueError("give the edge proxy= or proxies=, not both")
             object.__setattr__(self, "proxies", (self.proxy,))
-        elif not self.proxies:
-            raise ValueError("the edge needs at least one proxy")
 
     def next_hops(self) -> tuple[Replica, ...]:
         """The proxies as the edge routes to them: ``proxy-N`` at its address."""
@@ -132,6 +131,9 @@ class ToProxy(Feature):
         self.config = config
         self._via = config.name.encode()
         static = config.next_hops()
+        if next_hops is not None and static:
+            found = next_hops
+            next_hops = lambda: (*static, *found())  # noqa: E731  (both: the config's and the store's)
         self.next_hops = next_hops or (lambda: static)
         self.outliers = OutlierDetector(config.outliers) if config.outliers is not None else None
         self.in_flight: dict[str, int] = {}
@@ -218,6 +220,8 @@ class Edge(Hop):
         features: Sequence[Feature] = (),
         next_hops: Callable[[], Sequence[Replica]] | None = None,
     ) -> None:
+        if not config.proxies and next_hops is None:
+            raise ValueError("the edge needs a proxy: EdgeConfig(proxies=...), or next_hops")
         self.to_proxy = ToProxy(config, next_hops)
         super().__init__(config.name, upstreams, [*features, self.to_proxy])
         self.config = config

@@ -39,8 +39,11 @@ from blocks.routing import (
     Address,
     AppSettings,
     RouteCache,
+    encode_replica,
+    route_key_for_replica,
 )
-from blocks.sources import EmbeddedStore, RouteSource, reconcile
+from blocks.sources import EmbeddedStore, EtcdSource, RouteSource, reconcile
+from blocks.sources.register import PROXIES_APP, PROXIES_PREFIX, serve_registration
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.topology._records import LOOPBACK, App, route_records
 from blocks.transport.listener import HTTPServer, ListenerConfig
@@ -85,6 +88,7 @@ class Chain:
     access log is written when :attr:`operations` name no hops."""
     admin: HTTPServer | None = None
     _access_log: AccessLog | None = None
+    _registrations: list[tuple[trio.CancelScope, trio.Event]] = attrs.field(factory=list)
 
     async def _observed(self, hop: str, options: dict[str, Any]) -> dict[str, Any]:
         """``options`` for ``hop`` (``edge``, ``proxy``, ``worker``) with the features its operators
@@ -285,6 +289,7 @@ class Chain:
         port: int = 0,
         proxy: Address | None = None,
         proxies: Sequence[Address] = (),
+        proxies_from: EtcdSource | None = None,
         name: str = "edge",
         tls: bool = False,
         cert_dir: Path | None = None,
@@ -294,6 +299,8 @@ class Chain:
     ) -> HTTPServer:
         """Start the edge on ``port`` (0: a free one), in front of ``proxies`` (or the one ``proxy``;
         default: every proxy this chain started), spreading requests across them.
+        With ``proxies_from`` (an etcd), also the proxies registered there
+        (:meth:`register_proxy`), followed as they come and go.
 
         With ``tls``, it serves HTTPS (ALPN ``h2``, ``http/1.1``) with a
         self-signed certificate for ``localhost`` and ``127.0.0.1`` written
@@ -319,15 +326,60 @@ class Chain:
             context = server_context(self.cert, key)
         if proxy is not None:
             proxies = (proxy, *proxies)
-        if not proxies:
+        next_hops = None
+        if proxies_from is not None:
+            found = RouteCache()
+            hops = EtcdSource(proxies_from.url, PROXIES_PREFIX, request_timeout=proxies_from.request_timeout)
+            await self._nursery.start(reconcile, hops, found)
+            next_hops = functools.partial(found.replicas, PROXIES_APP)
+        elif not proxies:
             if not self.proxies:
                 raise RuntimeError("the chain's proxy has not started")
             proxies = [(self.host, server.port) for server, _ in self.proxies]
         config = EdgeConfig(proxies=proxies, name=name)
         options = self._shared(await self._observed("edge", options), port, ListenerConfig())
-        serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
+        serve = functools.partial(
+            serve_edge, config, host=self.host, port=port, ssl_context=context, next_hops=next_hops, **options
+        )
         self._edge = await self._nursery.start(serve)
         return self._edge
+
+    async def register(
+        self, source: EtcdSource, records: Mapping[str, bytes], *, lasting: Mapping[str, bytes] | None = None
+    ) -> None:
+        """Keep ``records`` in etcd while the chain serves (:func:`~blocks.sources.register.serve_registration`:
+        bound to a lease, renewed, revoked first thing in :meth:`shutdown`); ``lasting`` are written once."""
+        scope = trio.CancelScope()
+        done = trio.Event()
+
+        async def run(task_status: trio.TaskStatus[None]) -> None:
+            try:
+                with scope:
+                    await serve_registration(source, records, lasting=lasting, task_status=task_status)
+            finally:
+                done.set()
+
+        await self._nursery.start(run)
+        self._registrations.append((scope, done))
+
+    async def register_replicas(self, source: EtcdSource, apps: Mapping[str, App], *, worker: Address) -> None:
+        """Register ``apps``' replicas in etcd as behind ``worker`` (this chain's worker at its reachable
+        address), each named ``NAME@<worker's name>``, for as long as the chain serves; their domains
+        and settings are written once (:meth:`register`)."""
+        name = self.worker.name
+        records: dict[str, bytes] = {}
+        for app, spec in apps.items():
+            renamed = {f"{replica}@{name}": local for replica, local in spec.replicas.items()}
+            records |= route_records(app, renamed, worker=worker, domains=spec.domains, settings=spec.settings)
+        lasting = {key: value for key, value in records.items() if "/replicas/" not in key}
+        await self.register(source, {k: v for k, v in records.items() if k not in lasting}, lasting=lasting)
+
+    async def register_proxy(self, source: EtcdSource, *, address: Address) -> None:
+        """Register this chain's proxy for the edges that follow ``source`` (:meth:`start_edge`'s
+        ``proxies_from``): under :data:`~blocks.sources.register.PROXIES_PREFIX`, at ``address``."""
+        hops = EtcdSource(source.url, PROXIES_PREFIX, request_timeout=source.request_timeout)
+        record = route_key_for_replica(PROXIES_APP, self.proxy.name)
+        await self.register(hops, {record: encode_replica(worker=address, address=address)})
 
     async def start_admin(self, *, port: int = 0, host: str | None = None, top_tenants: int = 10) -> HTTPServer:
         """Start the admin listener (:func:`~blocks.observe.serve_admin`) on ``host:port`` (default: the
@@ -362,6 +414,7 @@ class Chain:
         the other, each with a 1-second grace (they are idle by then), and
         the chain's nursery is cancelled.
         """
+        await self._unregister()
         tiers = [
             [self._edge] if self._edge is not None else [],
             [server for server, _ in self.proxies],
@@ -376,6 +429,13 @@ class Chain:
                         nursery.start_soon(server.aclose, grace if first else 1.0)
                 first = False
         self.cancel()
+
+    async def _unregister(self) -> None:
+        """Revoke this chain's registrations (the hops behind it stop sending new requests here)."""
+        for scope, _ in self._registrations:
+            scope.cancel()
+        for _, done in self._registrations:
+            await done.wait()
 
     def cancel(self) -> None:
         """Stop everything the chain runs at once, without a drain (its nursery is cancelled)."""
