@@ -34,7 +34,6 @@ import collections
 import sys
 
 import trio
-
 from _harness import ROOT, load_average
 
 RECOVERY_TARGET = 1.0
@@ -45,7 +44,7 @@ def _import_project() -> None:
         sys.path.insert(0, str(ROOT))
 
 
-async def run(codec: str, rate: float, outage: float, settle: float) -> bool:
+async def run(codec: str | None, rate: float, outage: float, settle: float) -> bool:
     from blocks.testing._fleet import PacedLoad, ProcessFleet
 
     py = sys.executable
@@ -124,7 +123,7 @@ async def run(codec: str, rate: float, outage: float, settle: float) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codec", default="auto", choices=("auto", "h2", "nghttp2"))
+    parser.add_argument("--codec", choices=("auto", "h2", "nghttp2"), help="default: $PROXYBLOCKS_CODEC, else auto")
     parser.add_argument("--rate", type=float, default=320.0, help="requests per second through the edge")
     parser.add_argument("--outage", type=float, default=10.0, help="seconds each killed part stays down")
     parser.add_argument("--quick", action="store_true", help="100 requests/s, 3 s outages")

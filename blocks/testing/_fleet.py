@@ -80,20 +80,22 @@ class ProcessFleet:
     listens, and how the workers reach it (``h2c``, ``http``). Every replica
     is reachable through every worker (the proxies route each replica behind
     each worker), so a dead worker takes out only the routes through it.
-    ``codec``: the HTTP/2 codec of the hops. ``extra``: more flags for every hop.
+    ``codec``: the HTTP/2 codec of the hops (default: ``$PROXYBLOCKS_CODEC``, else ``auto``).
+    ``extra``: more flags for every hop.
     """
 
     replicas: dict[str, tuple[Sequence[str], str, str]]
     workers: int = 2
     proxies: int = 2
-    codec: str = "auto"
+    codec: str | None = None
     cwd: Path | None = None
     extra: Sequence[str] = ()
     parts: dict[str, Part] = attrs.field(factory=dict)
     _nursery: trio.Nursery | None = None
 
     def _plan(self) -> None:
-        hop = [sys.executable, "-m", "recipes.chain", "--codec", self.codec, "--port", "{port}", *self.extra]
+        codec = ["--codec", self.codec] if self.codec else []
+        hop = [sys.executable, "-m", "recipes.chain", *codec, "--port", "{port}", *self.extra]
         listening = r"listening on h2c://"
         ports = iter(free_ports(len(self.replicas) + self.workers + self.proxies + 1))
         free_port = ports.__next__
