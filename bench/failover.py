@@ -45,7 +45,7 @@ def _import_project() -> None:
 
 
 async def run(codec: str | None, rate: float, outage: float, settle: float) -> bool:
-    from blocks.testing._fleet import PacedLoad, ProcessFleet
+    from blocks.testing import PacedLoad, ProcessFleet
 
     py = sys.executable
     hyper = [py, "-m", "hypercorn", "tests.asgi_replica:app", "--bind", "127.0.0.1:{port}", "-k", "trio", "-w", "0"]

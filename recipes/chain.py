@@ -51,16 +51,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from blocks import Chain, EtcdSource, ProxyConfig, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
+from blocks import Chain, SchedulerConfig, TenantPolicy, serve_chain
 from blocks.command import CommandParser, Operations, at_least, run_until_signal, seconds
 from blocks.routing import Address
-from blocks.topology import LOOPBACK, App, hop_from_url, hop_options, proxy_sections, replica_from_url, replica_url
+from blocks.topology import LOOPBACK, App, ChainPlan, hop_from_url, hop_options, proxy_sections, replica_url
 
 __all__ = ["FAIR", "Chain", "main"]
 
@@ -101,80 +100,33 @@ async def main(
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the chain, or one ``role`` of it (see the flags); report a :class:`~blocks.Chain` once it serves.
-
-    ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``.
-    ``options``: each hop's keywords from the config file (:func:`~blocks.topology.hop_options`)."""
-    routed = bool(replica_urls or apps)
-    if not next_hops and (
-        (role == "edge" and not route_source) or (role == "proxy" and (routed or not (route_source or routes_file)))
-    ):
-        raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
-    if role != "chain" and max(proxies, workers) > 1:
-        raise ValueError(f"--proxies and --workers are for --role chain; run one --role {role} process each")
-    if role == "chain" and name is not None:
-        raise ValueError("--name names the hop of a --role edge, proxy or worker process")
-    if role == "worker" and routed and not route_source:
-        raise ValueError("--role worker registers its --replica servers in the etcd of --route-source, which it needs")
-    if route_source and role in ("worker", "proxy") and host in ("0.0.0.0", "::") and advertise is None:
-        raise ValueError(f"--role {role} --host {host} registers in --route-source: say where with --advertise")
-    hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
-
-    async def build(chain: Chain) -> None:
-        chain.front = "edge" if role == "chain" else role  # (where the access log goes, unless told)
-        demo = range(replicas if role == "chain" and not replica_urls else 0)  # (none behind your --replica)
-        behind: list[Address] = list(next_hops)  # the proxies' workers
-        for j in range(1, workers + 1 if role in ("chain", "worker") else 1):  # each beside its own replicas
-            named = f"replica-{{}}@worker-{j}" if workers > 1 else "replica-{}"
-            local = {
-                named.format(i): await chain.start_replica(named.format(i), protocol=replica_protocol) for i in demo
-            }
-            upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
-            worker = name or (f"worker-{j}" if workers > 1 else "worker")
-            server, _ = await chain.start_worker(local, app=None, upstream=upstream, name=worker, **hops["worker"])
-            behind.append((host, server.port))
-            if local:
-                chain.route({"demo": App(("*",), local)}, worker=behind[-1], layer=worker)
-            if role == "worker" and route_source:  # the replicas beside it, known to every proxy of the fleet
-                yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(replica_urls)}
-                fleet = {"demo": App(("*",), yours), **(apps or {})} if yours else dict(apps or {})
-                await chain.register_replicas(EtcdSource(route_source), fleet, worker=advertise or behind[-1])
-        if role in ("chain", "proxy"):
-
-            def route(urls: Sequence[str], more: Mapping[str, App] | None) -> None:
-                yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(urls)}
-                if behind:
-                    chain.route({"demo": App(("*",), yours), **(more or {})}, workers=behind)
-
-            route(replica_urls, apps)
-            if reread is not None:
-                chain.on_reload(lambda: route(*attrgetter("replica_urls", "apps")(reread())))
-            if routes_file is not None:
-                chain.follow_route_file(routes_file)
-            source = EtcdSource(route_source) if route_source else None
-            upstream = UpstreamConfig(response_timeout=replica_timeout + 5)  # > the worker's: its 504 shows
-            for k in range(1, proxies + 1):  # N proxies share one route cache
-                proxy = ProxyConfig(name=name or (f"proxy-{k}" if proxies > 1 else "proxy"))
-                await chain.start_proxy(
-                    source=source, scheduler=scheduler, upstream=upstream, config=proxy, **hops["proxy"]
-                )
-            if role == "proxy" and source is not None:  # known to every edge that follows the etcd
-                await chain.register_proxy(source, address=advertise or (host, chain.proxy_server.port))
-        if role in ("chain", "edge"):
-            upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
-            front = next_hops if role == "edge" else ()
-            await chain.start_edge(
-                port=port,
-                proxies=front,
-                proxies_from=EtcdSource(route_source) if route_source and role == "edge" else None,
-                name=name or "edge",
-                tls=tls,
-                cert=cert,
-                key=key,
-                cert_dir=cert_dir,
-                upstream=upstream,
-            )
-
-    await serve_chain(build, host=host, announce=announce, operations=operations, task_status=task_status)
+    The settings are a :class:`~blocks.topology.ChainPlan`'s (a wrong mix of them: ``ValueError``)."""
+    plan = ChainPlan(
+        role=role,
+        host=host,
+        port=port,
+        replicas=replicas,
+        replica_protocol=replica_protocol,
+        replica_timeout=replica_timeout,
+        replica_ca=replica_ca,
+        replica_urls=replica_urls,
+        apps=apps,
+        tls=tls,
+        cert=cert,
+        key=key,
+        cert_dir=cert_dir,
+        scheduler=scheduler,
+        routes_file=routes_file,
+        next_hops=next_hops,
+        proxies=proxies,
+        workers=workers,
+        name=name,
+        advertise=advertise,
+        route_source=route_source,
+        options=options,
+        reread=reread,
+    )
+    await serve_chain(plan.build, host=host, announce=announce, operations=operations, task_status=task_status)
 
 
 def run() -> None:

@@ -54,16 +54,18 @@ import trio
 
 from blocks.errors import (
     NEXT_HOP_REASONS,
+    RETRYABLE_REASONS,
     UPSTREAM_REASONS,
     BlocksError,
     HopFailed,
     NoRoute,
     StreamReset,
     UpstreamConnectError,
+    UpstreamProtocolError,
     error_field,
 )
 from blocks.fields import ERROR_HEADER
-from blocks.http import Headers, Request, Response, abandon, error_response
+from blocks.http import SAFE_METHODS, Headers, Request, Response, abandon, error_response
 from blocks.routing import format_address
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
@@ -362,6 +364,7 @@ class Hop:
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.name = name
+        self._name = name.encode()
         self.upstreams = upstreams
         self.features = tuple(features)
         self.admission = admission
@@ -382,6 +385,31 @@ class Hop:
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """An error came back (``status``, ``headers``) for a request nothing of which was sent on: where
         to send it instead (already dispatched there), or None to answer the error. Once per exchange."""
+        return None
+
+    def resendable(self, exchange: Exchange, headers: Headers, *, passed_on: bool = False) -> bytes | None:
+        """The reason of an error head that lets this hop send the request elsewhere, or None.
+
+        This hop's own error whose reason says nothing was processed
+        (:data:`~blocks.errors.RETRYABLE_REASONS`: it could not connect, the
+        stream was refused), or its own ``upstream_reset`` (its connection
+        was lost before any response byte) for a request of a safe method
+        with no body left to send (:data:`~blocks.http.SAFE_METHODS`). With
+        ``passed_on``, a hop behind's ``RETRYABLE_REASONS`` count too (a
+        worker that could not reach its replica).
+        """
+        for name, value in headers:
+            if name == ERROR_HEADER:
+                reason, _, rest = value.partition(b";")
+                reason = reason.strip()
+                at = rest.partition(b"hop=")[2].partition(b";")[0].strip()
+                own = not at or at == self._name
+                if reason in RETRYABLE_REASONS and (own or passed_on):
+                    return reason
+                request = exchange.request
+                if own and reason == b"upstream_reset" and request.method in SAFE_METHODS and request.body.ended:
+                    return reason
+                return None
         return None
 
     upstream_kind = "next"
@@ -534,7 +562,10 @@ class Hop:
             if self.admission is not None:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)
-        replayable = self.retries and request.body.ended  # (a body that went up cannot go again)
+        # Once: a connect failure (nothing of the request was read yet, body or not), or a reset or an
+        # error head for a request with no body (none went up that could not go again).
+        again_ok = self.retries
+        bodiless = request.body.ended
         tee = exchange.tee
         if tee is not None:
             request.body = TappedBody(request.body, tee.request, tee.abort)
@@ -544,8 +575,11 @@ class Hop:
                     forward.address, request, forward.headers, protocol=forward.protocol
                 )
             except BaseException as exc:
-                if replayable and isinstance(exc, UpstreamConnectError):
-                    replayable = False
+                if again_ok and (
+                    isinstance(exc, UpstreamConnectError)
+                    or (bodiless and isinstance(exc, (StreamReset, UpstreamProtocolError)))
+                ):
+                    again_ok = False
                     again = self.retry(exchange, exc.status, [self.error_field(exc.error_reason, exchange)])
                     if again is not None:
                         forward = again
@@ -557,8 +591,8 @@ class Hop:
                 finally:
                     exchange.closed()
                 raise
-            if replayable and response.status >= 500:
-                replayable = False
+            if again_ok and bodiless and response.status >= 500:
+                again_ok = False
                 again = self.retry(exchange, response.status, response.headers)
                 if again is not None:
                     await abandon(response.body)

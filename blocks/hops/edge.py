@@ -239,12 +239,13 @@ class Edge(Hop):
 
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """Once per request, one the edge could not get to its proxy (its own ``next_hop_unreachable`` or
-        ``next_hop_refused``) goes to another proxy; the failure counts for the first one's ejection."""
+        ``next_hop_refused``, or a safe request whose connection was lost before any response byte:
+        :meth:`~blocks.hops.Hop.resendable`) goes to another proxy; the failure counts for the first
+        one's ejection."""
         failed = exchange.picked
         if failed is None or exchange.retried:
             return None
-        reason = own_error(headers, self.name)
-        if reason is None or reason not in RETRYABLE_REASONS:
+        if self.resendable(exchange, headers) is None:
             return None
         exchange.retried = True
         hop = self.to_proxy.alternative(exchange, failed)

@@ -384,8 +384,9 @@ class Proxy(Hop):
 
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """Once per request, one that reached no replica (the worker says ``replica_unreachable`` or
-        ``replica_refused``, or the worker itself was unreachable: ``next_hop_unreachable``, then a
-        replica behind another worker is taken) goes to another replica of its app.
+        ``replica_refused``; or the worker itself was unreachable, ``next_hop_unreachable``, or lost
+        before it answered a safe request, ``upstream_reset``: then a replica behind another worker is
+        taken) goes to another replica of its app (:meth:`~blocks.hops.Hop.resendable`).
 
         The failure counts for the first replica's outlier detection; a
         session's request (pinned, not picked) is never moved.
@@ -393,16 +394,12 @@ class Proxy(Hop):
         failed = exchange.picked
         if failed is None or exchange.retried:
             return None
-        for name, value in headers:
-            if name == ERROR_HEADER:
-                reason = value.partition(b";")[0]
-                if reason not in RETRYABLE_REASONS:
-                    return None
-                break
-        else:
+        reason = self.resendable(exchange, headers, passed_on=True)
+        if reason is None:
             return None
         exchange.retried = True
-        replica = self.router.alternative(exchange, failed, other_worker=reason.startswith(b"next_hop"))
+        worker_failed = reason.startswith(b"next_hop") or reason == b"upstream_reset"
+        replica = self.router.alternative(exchange, failed, other_worker=worker_failed)
         if replica is None:
             return None
         exchange.failed(status, headers)

@@ -138,21 +138,8 @@ class ProcessFleet:
         part = self.parts[name]
         assert self._nursery is not None
         command = [arg.replace("{port}", str(part.port)) for arg in part.command]
-        process: trio.Process = await self._nursery.start(
-            functools.partial(
-                trio.run_process,
-                command,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                cwd=self.cwd,
-                check=False,
-                start_new_session=True,  # its own process group: a kill reaches a server's own children too
-            )
-        )
-        part.process = process
+        part.process = await start_process(self._nursery, command, part.ready, cwd=self.cwd)
         part.starts += 1
-        assert process.stdout is not None
-        await _until(process.stdout, part.ready, name, self._nursery)
 
     def kill(self, name: str) -> None:
         """SIGKILL part ``name`` and its process group (a crash)."""
@@ -178,18 +165,35 @@ def _signal_group(process: trio.Process, signum: int) -> None:
         os.killpg(process.pid, signum)
 
 
-async def _until(stdout: trio.abc.ReceiveStream, ready: str, name: str, nursery: trio.Nursery) -> None:
-    """Read ``stdout`` until a line matches ``ready``; then keep reading it (a full pipe blocks its writer)."""
+async def start_process(
+    nursery: trio.Nursery, command: Sequence[str], ready: str, *, cwd: Path | None = None
+) -> trio.Process:
+    """Start ``command`` in ``nursery``, in a process group of its own; return once its output
+    (stdout and stderr) matches ``ready``, a regular expression. Its output is read on after that
+    (a full pipe would block it); a process that exits first is a ``RuntimeError`` with its last words."""
+    process: trio.Process = await nursery.start(
+        functools.partial(
+            trio.run_process,
+            list(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            check=False,
+            start_new_session=True,  # its own process group: a kill reaches a server's own children too
+        )
+    )
+    assert process.stdout is not None
     pattern = re.compile(ready, re.MULTILINE)
     seen = b""
     while True:
-        chunk = await stdout.receive_some()
+        chunk = await process.stdout.receive_some()
         if not chunk:
-            raise RuntimeError(f"{name} exited before it listened: {seen.decode(errors='replace')[-2000:]}")
+            raise RuntimeError(f"{command} exited before it listened: {seen.decode(errors='replace')[-2000:]}")
         seen += chunk
         if pattern.search(seen.decode(errors="replace")):
             break
-    nursery.start_soon(_drain, stdout)
+    nursery.start_soon(_drain, process.stdout)
+    return process
 
 
 async def _drain(stream: trio.abc.ReceiveStream) -> None:
