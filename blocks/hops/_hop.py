@@ -63,7 +63,7 @@ from blocks.errors import (
     error_field,
 )
 from blocks.fields import ERROR_HEADER
-from blocks.http import Headers, Request, Response, abandon, error_response
+from blocks.http import Body, Headers, Request, Response, StreamBody, abandon, error_response
 from blocks.routing import format_address
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
@@ -535,6 +535,7 @@ class Hop:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)
         replayable = self.retries and request.body.ended  # (a body that went up cannot go again)
+        unsent = self.retries  # (a connect failure: a body no pool took can go elsewhere, streamed or not)
         tee = exchange.tee
         if tee is not None:
             request.body = TappedBody(request.body, tee.request, tee.abort)
@@ -544,8 +545,8 @@ class Hop:
                     forward.address, request, forward.headers, protocol=forward.protocol
                 )
             except BaseException as exc:
-                if replayable and isinstance(exc, UpstreamConnectError):
-                    replayable = False
+                if unsent and isinstance(exc, UpstreamConnectError) and _unread(request.body):
+                    unsent = replayable = False
                     again = self.retry(exchange, exc.status, [self.error_field(exc.error_reason, exchange)])
                     if again is not None:
                         forward = again
@@ -576,6 +577,13 @@ class Hop:
         if tee is not None:
             response.body = TappedBody(response.body, tee.response)
         return response
+
+
+def _unread(body: Body) -> bool:
+    """Nothing of ``body`` was taken by an upstream, so it can go elsewhere: it ended with nothing in
+    it, or no pool claimed it (a pool claims a body before it reads the first byte of it). An
+    upload whose body comes after its head is still unread when its connect fails."""
+    return body.ended or (type(body) is StreamBody and not body.claimed)
 
 
 # An internal hop's peer is a hop: its connection carries many clients' streams,
