@@ -65,7 +65,7 @@ from blocks.errors import (
     error_field,
 )
 from blocks.fields import ERROR_HEADER
-from blocks.http import SAFE_METHODS, Headers, Request, Response, abandon, error_response
+from blocks.http import SAFE_METHODS, Body, Headers, Request, Response, StreamBody, abandon, error_response
 from blocks.routing import format_address
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
@@ -562,8 +562,8 @@ class Hop:
             if self.admission is not None:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)
-        # Once: a connect failure (nothing of the request was read yet, body or not), or a reset or an
-        # error head for a request with no body (none went up that could not go again).
+        # Once: a connect failure while no pool took the body (nothing of it was read, streamed or
+        # not), or a reset or an error head for a request with no body (none went up).
         again_ok = self.retries
         bodiless = request.body.ended
         tee = exchange.tee
@@ -576,7 +576,7 @@ class Hop:
                 )
             except BaseException as exc:
                 if again_ok and (
-                    isinstance(exc, UpstreamConnectError)
+                    (isinstance(exc, UpstreamConnectError) and _unread(request.body))
                     or (bodiless and isinstance(exc, (StreamReset, UpstreamProtocolError)))
                 ):
                     again_ok = False
@@ -610,6 +610,13 @@ class Hop:
         if tee is not None:
             response.body = TappedBody(response.body, tee.response)
         return response
+
+
+def _unread(body: Body) -> bool:
+    """Nothing of ``body`` was taken by an upstream, so it can go elsewhere: it ended with nothing in
+    it, or no pool claimed it (a pool claims a body before it reads the first byte of it). An
+    upload whose body comes after its head is still unread when its connect fails."""
+    return body.ended or (type(body) is StreamBody and not body.claimed)
 
 
 # An internal hop's peer is a hop: its connection carries many clients' streams,
