@@ -60,7 +60,7 @@ from blocks import (
 from blocks.errors import REASONS, RETRYABLE_REASONS
 from blocks.fields import ERROR_HEADER
 from blocks.hops.edge import next_hop, own_error
-from blocks.observe import served_hop
+from blocks.observe import RequestIds, served_hop
 from blocks.routing import LeastInFlight, OutlierDetector
 from blocks.timing import parse_server_timing
 from blocks.topology import App
@@ -606,3 +606,20 @@ async def test_the_chain_recipe_with_two_proxies_and_two_workers() -> None:
             output = await lines.rest()
             assert output.endswith("stopped\n"), output
             assert await process.wait() == 0
+
+
+async def test_the_edge_s_own_error_answer_carries_the_request_ids(nursery: trio.Nursery) -> None:
+    # An operator matches a client's 502 to the access log by its x-request-id: the edge's own
+    # answer (no proxy reachable) carries the ids its RequestIds feature kept or made.
+    with trio.fail_after(10):
+        edge = await nursery.start(
+            functools.partial(
+                serve_edge, EdgeConfig(proxies=[(HOST, closed_port())]), features=[RequestIds()], host=HOST
+            )
+        )
+        async with h2_client() as client:
+            response = await client.get(f"http://{HOST}:{edge.port}/", headers={"x-request-id": "abc-123"})
+        assert response.status_code == 502
+        assert response.headers["proxyblocks-error"].startswith("next_hop_unreachable; hop=edge; next=proxy-1 (")
+        assert response.headers["x-request-id"] == "abc-123"
+        assert response.headers["traceparent"].startswith("00-")

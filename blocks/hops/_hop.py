@@ -587,7 +587,10 @@ class Hop:
                 try:
                     if isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
                         # the upstream never answered: 502, 503, 504
-                        exchange.failed(exc.status, [(ERROR_HEADER, exc.error_reason.encode())])
+                        head = [(ERROR_HEADER, exc.error_reason.encode())]
+                        exchange.failed(exc.status, head)
+                        if len(head) > 1:  # what the response hooks added (request ids) goes out with it
+                            exc.headers = [*exc.headers, *head[1:]]
                 finally:
                     exchange.closed()
                 raise
