@@ -107,6 +107,13 @@ def status_reason(status: int) -> str:
     return _STATUS_REASONS.get(status) or ("bad_request" if status < 500 else "internal")
 
 
+def parse_error_field(value: bytes) -> tuple[bytes, bytes]:
+    """A ``proxyblocks-error`` value's reason and the hop that answered it (``b""``: none named yet,
+    a hop's own error on its way to :meth:`~blocks.hops.Hop.error_field`)."""
+    reason, _, rest = value.partition(b";")
+    return reason.strip(), rest.partition(b"hop=")[2].partition(b";")[0].strip()
+
+
 def error_field(reason: str, hop: str) -> tuple[bytes, bytes]:
     """The ``proxyblocks-error`` field of an error answered at ``hop``: ``REASON; hop=NAME``."""
     return (fields.ERROR_HEADER, f"{reason}; hop={hop}".encode())
@@ -407,5 +414,6 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamTimeout",
     "error_field",
+    "parse_error_field",
     "status_reason",
 ]

@@ -63,6 +63,7 @@ from blocks.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
     error_field,
+    parse_error_field,
 )
 from blocks.fields import ERROR_HEADER
 from blocks.http import SAFE_METHODS, Body, Headers, Request, Response, StreamBody, abandon, error_response
@@ -400,9 +401,7 @@ class Hop:
         """
         for name, value in headers:
             if name == ERROR_HEADER:
-                reason, _, rest = value.partition(b";")
-                reason = reason.strip()
-                at = rest.partition(b"hop=")[2].partition(b";")[0].strip()
+                reason, at = parse_error_field(value)
                 own = not at or at == self._name
                 if reason in RETRYABLE_REASONS and (own or passed_on):
                     return reason

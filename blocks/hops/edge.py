@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from blocks.errors import RETRYABLE_REASONS, NoRoute
+from blocks.errors import RETRYABLE_REASONS, NoRoute, parse_error_field
 from blocks.fields import ERROR_HEADER, INTERNAL_PREFIX
 from blocks.hops._hop import Exchange, Feature, Forward, Hop, hop_listener
 from blocks.http import Headers, Request, strip_hop_by_hop
@@ -34,11 +34,8 @@ def own_error(headers: Headers, hop: str) -> bytes | None:
     or ``hop``), or None: no error field, or one a hop behind it answered."""
     for name, value in headers:
         if name == ERROR_HEADER:
-            reason, _, rest = value.partition(b";")
-            at = rest.partition(b"hop=")[2]
-            if not at or at.partition(b";")[0].strip() == hop.encode():
-                return reason.strip()
-            return None
+            reason, at = parse_error_field(value)
+            return reason if not at or at == hop.encode() else None
     return None
 
 
