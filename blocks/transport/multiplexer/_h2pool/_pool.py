@@ -60,6 +60,7 @@ class _H2Pool:
         self.retries = 0
         self._attempt: _Attempt | None = None
         self._freed = trio.Event()
+        self._keeping = False  # the keepalive task runs (while the pool has connections)
 
     def statistics(self) -> PoolStatistics:
         connections = tuple(c.statistics() for c in self.connections)
@@ -90,6 +91,23 @@ class _H2Pool:
         conn = H2ClientConnection(stream, self)
         await self.nursery.start(conn.run)
         self.connections.append(conn)
+        if not self._keeping:
+            self._keeping = True
+            self.nursery.start_soon(self._keepalive)
+
+    async def _keepalive(self) -> None:
+        """One look at every connection each ``keepalive_tick`` (their idle timeout, quiet time and
+        PING: ``H2ClientConnection.keepalive``), while the pool has any: one task per pool, none per
+        request."""
+        tick = self.config.keepalive_tick
+        try:
+            while self.connections:
+                await trio.sleep(tick)
+                now = trio.current_time()
+                for conn in tuple(self.connections):
+                    conn.keepalive(now)
+        finally:
+            self._keeping = False
 
     def _free(self, avoid: H2ClientConnection | None = None) -> H2ClientConnection | None:
         for conn in self.connections:
@@ -241,9 +259,15 @@ class _H2Pool:
                         return await conn.response(st)
                     raise UpstreamTimeout(f"no response from {self.address} within {timeout}s")
                 except _Refused as exc:
-                    if retry or (upload is not None and not upload.replayable):
-                        why = "again, on another connection" if retry else "after the request body started"
-                        raise UpstreamProtocolError(f"{exc}, {why}", status=503) from None
+                    # (The rules: blocks.transport.multiplexer._h2retry.)
+                    if retry or (upload is not None and not upload.replayable) or not exc.retryable(request.method):
+                        if retry:
+                            why = "again, on another connection"
+                        elif exc.maybe_processed and not exc.retryable(request.method):
+                            why = f"and {request.method.decode(errors='replace')} is not sent twice"
+                        else:
+                            why = "after the request body started"
+                        raise UpstreamProtocolError(f"{exc}, {why}", status=exc.status) from None
                     avoid = conn
                     self.retries += 1
             raise AssertionError("unreachable")
