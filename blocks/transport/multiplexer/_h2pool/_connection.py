@@ -32,6 +32,7 @@ log = logging.getLogger("blocks.multiplexer")
 _CANCEL = ErrorCodes.CANCEL
 _REFUSED = ErrorCodes.REFUSED_STREAM
 _PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
+_CLOSED = "the connection closed"
 _PING = bytes.fromhex("000008060000000000") + b"pb-alive"  # a PING frame (length 8, type 6, stream 0) and its data
 
 
@@ -72,7 +73,7 @@ class H2ClientConnection(H2Driver):
         self._idle_since = now  # (keepalive: no stream since)
         self._seen_opened = 0
         self._ping_sent: float | None = None  # when the PING now unanswered went out
-        self.end_reason = "the connection closed"  # what the streams it cuts say (see _ended)
+        self.end_reason = _CLOSED  # what the streams it cuts say (see _ended)
         self.handlers = self.bind(
             {
                 EventKind.RESPONSE: self._on_response,
@@ -136,7 +137,7 @@ class H2ClientConnection(H2Driver):
 
     def _ended(self, how: str) -> None:
         if not self.closed:
-            self.end_reason = how if self.accepting else f"{how}, {self.end_reason}"
+            self.end_reason = how if self.end_reason is _CLOSED else f"{how}, {self.end_reason}"
 
     def _receive(self, data: bytes | bytearray) -> None:
         self.heard = True
