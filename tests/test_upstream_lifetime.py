@@ -20,6 +20,7 @@ close (``keep_alive_timeout``) sends nothing at all: the socket closes.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class Peer:
     """A real h2 server on a loopback socket (hyper-h2 in this process), scripted by ``script``."""
 
     script: Script
+    idle_close: float | None = None  # close a connection without a held stream after this long, as hypercorn does
     port: int = 0
     connections: list[Connection] = attrs.field(factory=list)
 
@@ -113,7 +115,13 @@ class Peer:
         try:
             async with stream:
                 await stream.send_all(conn.data_to_send())
-                while data := await stream.receive_some(65536):
+                while True:
+                    idle = self.idle_close if self.idle_close is not None and not seen.held else math.inf
+                    data = b""
+                    with trio.move_on_after(idle):
+                        data = await stream.receive_some(65536)
+                    if not data:
+                        return  # the client's close, or our idle close: the socket, no GOAWAY
                     seen.record(data)
                     if deaf:
                         continue
@@ -378,3 +386,24 @@ async def test_20000_requests_through_the_chain_to_hypercorn_over_h2c_and_h1_all
             # Both replicas served: the worker has an h2 pool and an h1 pool to hypercorn.
             (_, worker), *_ = chain.workers
             assert {pool.protocol for pool in worker.upstreams.statistics()} == {"h2", "h1"}
+
+
+async def test_a_pool_learns_the_upstreams_idle_close_and_never_sends_into_the_next_one(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # hypercorn's keep-alive timeout (5 s) closes an idle connection without a word. The first such
+    # close teaches the pool; from then on a connection idle for most of that long is closed (our
+    # GOAWAY) instead of being sent a request that could race the server's close: a POST too.
+    peer: Peer = await nursery.start(Peer(answer_all, idle_close=5.0).serve)
+    config = UpstreamConfig(h2_idle_timeout=None, h2_ping_interval=None)
+    with trio.fail_after(60):
+        async with open_upstreams(config) as upstreams:
+            assert await outcome(upstreams, peer, b"GET", b"/") == "conn=0 stream=1"
+            await peer.connections[0].closed.wait()
+            await wait_for(lambda: upstreams.statistics()[0].connections == 0)
+            assert await outcome(upstreams, peer, b"POST", b"/") == "conn=1 stream=1"
+            await trio.sleep(4.5)  # (virtual) idle past 0.8 of the close it saw, short of the server's
+            assert await outcome(upstreams, peer, b"POST", b"/") == "conn=2 stream=1"
+            assert peer.connections[1].frames[-1] == ("GOAWAY", 0)  # ours, before the server's close
+            await trio.sleep(3.0)  # under the limit: the connection is used
+            assert await outcome(upstreams, peer, b"POST", b"/") == "conn=2 stream=3"

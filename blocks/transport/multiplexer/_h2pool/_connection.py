@@ -70,7 +70,8 @@ class H2ClientConnection(H2Driver):
         self.heard = False  # bytes came since the pool's last keepalive look
         now = trio.current_time()
         self._quiet_since = now  # (keepalive: nothing heard since)
-        self._idle_since = now  # (keepalive: no stream since)
+        self._idle_since = now  # (keepalive: no stream since, to a tick)
+        self.idle_at = now  # when its last stream closed (exact: see stream_closed)
         self._seen_opened = 0
         self._ping_sent: float | None = None  # when the PING now unanswered went out
         self.end_reason = _CLOSED  # what the streams it cuts say (see _ended)
@@ -127,6 +128,8 @@ class H2ClientConnection(H2Driver):
     async def _reader(self) -> None:
         try:
             await self.receive_into(self._receive)
+            if self.accepting and not self.streams and not self.closed:
+                self.pool.closed_idle(trio.current_time() - self.idle_at)  # (no GOAWAY, no stream: its idle close)
             self._ended("the upstream closed the connection")
         except trio.BrokenResourceError as exc:
             self._ended(f"the connection broke: {exc.__cause__ or exc}")
@@ -259,14 +262,26 @@ class H2ClientConnection(H2Driver):
             st.cancel_scope.cancel()
 
     def stream_closed(self, st: H2Stream) -> None:
-        self.pool.waiting.pop(st, None)
-        self.pool.slot_freed()
-        if not self.accepting and not self.streams and not self.closed:
-            try:
-                self.h2.close_connection()
-            except ProtocolError:
-                pass
-            self.mark_closed()
+        pool = self.pool
+        pool.waiting.pop(st, None)
+        pool.slot_freed()
+        if not self.streams:
+            if not self.accepting:
+                if not self.closed:
+                    self.close()
+            else:
+                # (The one clock read for a connection's lifetime: when it falls idle, which under
+                # load is seldom. It dates an idle close by the upstream: see _H2Pool.closed_idle.)
+                self.idle_at = trio.current_time()
+
+    def close(self) -> None:
+        """Take no new stream, send GOAWAY(NO_ERROR) (the writer sends it, then the socket closes)."""
+        self.accepting = False
+        try:
+            self.h2.close_connection()
+        except ProtocolError:
+            pass
+        self.mark_closed()
 
     def _refuse(self, st: H2Stream, why: str, *, maybe_processed: bool = False) -> None:
         """``st`` is unanswered and was never processed upstream (``maybe_processed``: its connection
@@ -329,12 +344,7 @@ class H2ClientConnection(H2Driver):
             self._idle_since = now
         elif config.h2_idle_timeout is not None and now - self._idle_since >= config.h2_idle_timeout:
             log.debug("closing the idle connection to %s", self.pool.address)
-            self.accepting = False
-            try:
-                self.h2.close_connection()  # GOAWAY(NO_ERROR): the writer sends it, then the socket closes
-            except ProtocolError:
-                pass
-            self.mark_closed()
+            self.close()
             return
         if config.h2_ping_interval is not None and now - self._quiet_since >= config.h2_ping_interval:
             self.ping(now)
