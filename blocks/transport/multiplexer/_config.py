@@ -77,7 +77,8 @@ class UpstreamConfig:
 @attrs.frozen
 class PoolStatistics:
     """One pool: its open connections (draining ones included), the streams
-    on them, and how many refused requests it retried on another connection."""
+    on them, and how many requests it sent again on another connection (refused, or cut before any
+    response byte: see :mod:`blocks.transport.multiplexer._h2retry`)."""
 
     address: Address
     protocol: str

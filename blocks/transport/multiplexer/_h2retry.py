@@ -42,8 +42,8 @@ Invariants:
   has gone upstream (``_Upload.sent``; a :class:`_Replay` hands the stream
   back to its splice with the first body byte, and then no retry is
   possible). A refusal (:class:`_Refused`) after that, or a second one,
-  fails the request (503 on the awaiting path; 502 spliced, as any failure
-  before the head).
+  fails the request (503 on the awaiting path, 502 for a cut stream; 502
+  spliced, as any failure before the head).
 - Every byte received while parked is acknowledged exactly once: relayed by
   the new splice (which acknowledges it as it goes), or given back by
   ``_release`` when the retry is given up.
