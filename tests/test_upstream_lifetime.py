@@ -324,7 +324,10 @@ async def test_a_connection_takes_max_requests_per_connection_streams_then_close
     peer: Peer = await nursery.start(Peer(answer_all).serve)
     with trio.fail_after(10):
         async with open_upstreams(UpstreamConfig(max_requests_per_connection=3)) as upstreams:
-            got = [await outcome(upstreams, peer, b"GET", b"/") for _ in range(7)]
+            got = [await outcome(upstreams, peer, b"GET", b"/") for _ in range(3)]
+            # The third stream was the connection's last: its successor opened then, before any request needs it.
+            await wait_for(lambda: len(peer.connections) == 2)
+            got += [await outcome(upstreams, peer, b"GET", b"/") for _ in range(4)]
             assert got == [f"conn={i // 3} stream={2 * (i % 3) + 1}" for i in range(7)]
             for seen in peer.connections[:2]:
                 await seen.closed.wait()

@@ -178,6 +178,7 @@ class H2ClientConnection(H2Driver):
         self.opened += 1
         if self.opened == self._max_opened:
             self.accepting = False  # its last request: it closes once its streams are done (stream_closed)
+            self.pool.replace()
         if timed:
             if end or request.protocol is not None:  # (a tunnel's request never ends: its clock starts now)
                 self._start_clock(st)

@@ -115,6 +115,14 @@ class _H2Pool:
         finally:
             self._keeping = False
 
+    def replace(self) -> None:
+        """A connection took its last request (``max_requests_per_connection``): open its successor
+        now, in the background, if no other connection takes new streams, so that the next request
+        finds it ready instead of waiting for a connect."""
+        if self._attempt is None and not any(c.accepting for c in self.connections):
+            attempt = self._attempt = _Attempt()
+            self.nursery.start_soon(self._connect, attempt)
+
     def closed_idle(self, age: float) -> None:
         """The upstream closed a connection of ours that had been idle ``age`` seconds, with no GOAWAY
         (hypercorn's and uvicorn's keep-alive timeout does so): from now on a connection idle for
