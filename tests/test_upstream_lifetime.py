@@ -410,3 +410,16 @@ async def test_a_pool_learns_the_upstreams_idle_close_and_never_sends_into_the_n
             assert peer.connections[1].frames[-1] == ("GOAWAY", 0)  # ours, before the server's close
             await trio.sleep(3.0)  # under the limit: the connection is used
             assert await outcome(upstreams, peer, b"POST", b"/") == "conn=2 stream=3"
+
+
+def test_lifetime_knobs_defaults_and_validation() -> None:
+    config = UpstreamConfig()
+    assert (config.max_requests_per_connection, config.h2_idle_timeout) == (1000, 60.0)
+    assert (config.h2_ping_interval, config.h2_ping_timeout, config.keepalive_tick) == (30.0, 10.0, 2.5)
+    off = UpstreamConfig(max_requests_per_connection=None, h2_idle_timeout=None, h2_ping_interval=None)
+    assert off.keepalive_tick == off.h2_ping_timeout / 4  # (still watches the PING a GOAWAY sends)
+    for bad in ({"max_requests_per_connection": 0}, {"h2_idle_timeout": 0}, {"h2_ping_interval": -1.0}):
+        with pytest.raises(ValueError):
+            UpstreamConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises((ValueError, TypeError)):
+        UpstreamConfig(h2_ping_timeout=None)  # type: ignore[arg-type]
