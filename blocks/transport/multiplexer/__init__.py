@@ -22,7 +22,15 @@ request is retried once on another connection to the same address when none
 of its body has gone upstream yet, on the awaiting path and the spliced one
 alike; a second refusal, or a refusal after the first body byte, is a 503
 (a spliced stream answers 502, as it does any failure before the head).
-Nothing else is ever retried.
+A stream cut by its connection's end before any response byte (a close
+after a GOAWAY, an idle close, a reset, a PING unanswered) is sent again
+the same way only if its method is safe; otherwise it fails at once
+(the invariant: ``_h2retry``). Nothing else is ever retried.
+
+h2 connection lifetime: ``max_requests_per_connection`` streams at most,
+``h2_idle_timeout`` without a stream, a PING after ``h2_ping_interval``
+of quiet (and after a GOAWAY that leaves streams waiting) whose ACK is due
+within ``h2_ping_timeout``: one keepalive task per pool looks after them.
 
 HTTP/1.1 upstreams: a keep-alive pool of idle connections per address, one
 request per connection at a time. A reused connection that turns out to be

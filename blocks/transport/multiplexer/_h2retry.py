@@ -1,9 +1,34 @@
-"""Safe retry of a refused upstream stream (RFC 9113 8.7): what a request keeps so that it can be sent again.
+"""Safe retry of an upstream stream the upstream did not answer (RFC 9113 8.7): what a request keeps so
+that it can be sent again, and when it is.
 
-An upstream that refuses a stream (``REFUSED_STREAM``, or a GOAWAY whose last
-stream id is below it) never processed it, so the pool
-(:mod:`blocks.transport.multiplexer._h2pool`) sends it once more on another
-connection, if none of its body went up. Two things make that possible:
+The invariant, enforced here and in the connection's two places that end a
+stream unanswered (``H2ClientConnection._refuse``, ``stream_lost``):
+
+- **never processed**: a stream reset with ``REFUSED_STREAM`` before its
+  response head, or above the last stream id of a GOAWAY, whatever its
+  error code. It is sent again at once on another connection, whatever its
+  method, if none of its body went up (:class:`_Refused`, status 503 when
+  it cannot be).
+- **cut**: a stream whose connection ended (the upstream closed it after a
+  GOAWAY or while idle, reset it, stopped answering PINGs) before any byte
+  of its response. The upstream may have processed it (a server that
+  accepted it and then closed, as hypercorn does past
+  ``keep_alive_max_requests``), so it is sent again at once only if its
+  method is safe (``GET``, ``HEAD``, ``OPTIONS``, ``TRACE``, as the h1
+  pool's stale-connection retry) and none of its body went up; otherwise it fails at once
+  (:class:`_Refused` with ``maybe_processed``, status 502).
+- **answered, then lost**: a stream whose response head came and whose
+  connection ended before its body did fails at once (``StreamReset``,
+  502): its head is on its way downstream, nothing can be sent again.
+
+"At once" is the point: a connection's end fails every stream on it in the
+same step (``H2Driver.mark_closed``), and a GOAWAY that leaves streams
+waiting is followed by a PING (``H2ClientConnection._on_terminated``), so
+a server that said GOAWAY and then neither answers them nor closes (one
+whose state machine closed with its GOAWAY) is found out within
+``h2_ping_timeout``, or at once when the PING makes it close.
+
+A request goes again at most once. Two things make it possible:
 
 - :class:`_Upload`, on the awaiting path: the request body's pump, which
   outlives the refused stream and carries on on the retry's;
@@ -17,8 +42,8 @@ Invariants:
   has gone upstream (``_Upload.sent``; a :class:`_Replay` hands the stream
   back to its splice with the first body byte, and then no retry is
   possible). A refusal (:class:`_Refused`) after that, or a second one,
-  fails the request (503 on the awaiting path; 502 spliced, as any failure
-  before the head).
+  fails the request (503 on the awaiting path, 502 for a cut stream; 502
+  spliced, as any failure before the head).
 - Every byte received while parked is acknowledged exactly once: relayed by
   the new splice (which acknowledges it as it goes), or given back by
   ``_release`` when the retry is given up.
@@ -43,12 +68,25 @@ if TYPE_CHECKING:
     from blocks.transport.multiplexer._h2pool import H2ClientConnection
 
 
+SAFE = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
+"""RFC 9110 9.2.1: the methods a cut stream's request may be sent again with (the h1 pool's set too)."""
+
+
 class _Refused(UpstreamProtocolError):
-    """The upstream never processed the stream (RFC 9113 8.7): refused with
-    ``REFUSED_STREAM``, or above the last stream id of its GOAWAY. Safe to
-    send again, if none of the request body went with it."""
+    """The upstream did not answer the stream: it never processed it (RFC 9113 8.7: refused with
+    ``REFUSED_STREAM``, or above the last stream id of its GOAWAY), or, with ``maybe_processed``, its
+    connection ended before any byte of the response. Safe to send again if none of the request body
+    went with it, and, if ``maybe_processed``, its method is safe (see the module docstring)."""
 
     status = 503
+
+    def __init__(self, message: str, *, maybe_processed: bool = False) -> None:
+        super().__init__(message, status=502 if maybe_processed else None)
+        self.maybe_processed = maybe_processed
+
+    def retryable(self, method: bytes) -> bool:
+        """Whether the request (with ``method``, none of its body sent) may go again."""
+        return not self.maybe_processed or method in SAFE
 
 
 class _Upload:
