@@ -126,7 +126,9 @@ class ChainPlan:
     async def _start_workers(self, chain: Chain) -> list[Address]:
         """Each worker beside its own demo replicas (``replica-I@worker-J`` when there are several)."""
         demo = range(self.replicas if self.role == "chain" and not self.replica_urls else 0)
-        upstream = UpstreamConfig(response_timeout=self.replica_timeout, ca_file=self.replica_ca)
+        # A pooled connection to a replica idles out before common servers' keep-alive (Hypercorn's
+        # and uvicorn's 5 s) closes it under a request it could not resend.
+        upstream = UpstreamConfig(response_timeout=self.replica_timeout, ca_file=self.replica_ca, h2_idle_timeout=4.0)
         addresses = []
         for j in range(1, self.workers + 1):
             named = f"replica-{{}}@worker-{j}" if self.workers > 1 else "replica-{}"
