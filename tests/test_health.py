@@ -1,0 +1,154 @@
+"""Health that ends ejections promptly: slow start, the panic rule, next-hop failures, health checks, the retry budget.
+
+Sans-IO parts (the detector, the retry budget) are tested synchronously and
+with hypothesis; the checker end to end on 127.0.0.1, port 0, each test
+bounded by ``trio.fail_after`` and waiting for states, never durations.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocks.routing import OutlierConfig, OutlierDetector, Replica
+
+W1 = ("127.0.0.1", 1)
+W2 = ("127.0.0.1", 2)
+RAMP = OutlierConfig(base_ejection=1.0, slow_start_window=10.0, slow_start_min_weight=0.1)
+
+
+def replicas(n: int, worker: tuple[str, int] = W1, prefix: str = "r") -> list[Replica]:
+    return [Replica(name=f"{prefix}{i}", worker=worker, address=("127.0.0.1", 1000 + i)) for i in range(n)]
+
+
+# -- slow start -----------------------------------------------------------------------------------
+
+
+def test_a_replica_back_from_ejection_ramps_up_then_is_a_full_member() -> None:
+    detector = OutlierDetector(RAMP)
+    four = replicas(4)
+    a = four[0]
+    assert detector.record(a, False, 0.0, unreachable=True)
+    assert detector.selectable(four, 0.5) == four[1:]
+    # Back at 1.0: offered for about its ramped share of the calls, never more.
+    offered = sum(a in detector.selectable(four, 1.0 + i * 0.01) for i in range(400))
+    shares = [detector.share(a.name, 1.0 + i * 0.01) for i in range(400)]
+    assert 0 < offered <= sum(share / 4 for share in shares)
+    assert detector.share(a.name, 6.0) == pytest.approx(0.5)
+    # After the window: a full member, and the one-check fast path is back.
+    assert detector.selectable(four, 11.0) is four
+    assert detector.statistics(now=11.0).ramping == {}
+
+
+def test_slow_start_never_leaves_no_full_member() -> None:
+    detector = OutlierDetector(RAMP)
+    two = replicas(2)
+    for replica in two:
+        detector.joined(replica.name, 0.0)
+    assert detector.selectable(two, 0.1) is two  # all ramping: all offered
+    (one,) = replicas(1, prefix="solo")
+    detector.joined(one.name, 0.0)
+    assert detector.selectable([one], 0.1) == [one]
+
+
+def test_slow_start_off_brings_a_replica_back_at_once() -> None:
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
+    two = replicas(2)
+    detector.record(two[0], False, 0.0, unreachable=True)
+    assert detector.selectable(two, 1.0) is two
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 8),
+    window=st.floats(0.5, 30),
+    aggression=st.floats(0.2, 5),
+    min_weight=st.floats(0.01, 1),
+    steps=st.lists(st.floats(0, 2, allow_nan=False), min_size=1, max_size=300),
+)
+def test_a_ramping_replica_is_never_offered_more_than_its_ramp(
+    n: int, window: float, aggression: float, min_weight: float, steps: list[float]
+) -> None:
+    config = OutlierConfig(slow_start_window=window, slow_start_aggression=aggression, slow_start_min_weight=min_weight)
+    detector = OutlierDetector(config)
+    candidates = replicas(n)
+    new = candidates[0]
+    detector.joined(new.name, 0.0)
+    now = 0.0
+    allowed = 0.0
+    offered = 0
+    for step in steps:
+        now += step
+        share = detector.share(new.name, now)
+        assert 0 < share <= 1
+        selected = detector.selectable(candidates, now)
+        assert list(selected) == [r for r in candidates if r in selected]
+        if now >= window:
+            assert share == 1.0
+            assert selected is candidates  # a full member, and nothing else ramps
+            continue
+        expected = max(min_weight, (now / window) ** (1 / aggression))
+        assert share == pytest.approx(min(1.0, expected))
+        allowed += share / n
+        offered += new in selected
+        assert set(selected) >= set(candidates[1:])  # the others are untouched
+        assert offered <= allowed + 1e-9  # its share never exceeds the ramp
+
+
+# -- next hops: one connection event, one failure, of the worker -----------------------------------
+
+
+def test_a_next_hop_failure_is_the_workers_and_counts_once_per_event() -> None:
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
+    behind_1 = replicas(2, W1, "a")
+    behind_2 = replicas(2, W2, "b")
+    pool = [*behind_1, *behind_2]
+    # A reset cut 50 streams at once: one event, one failure, of the worker.
+    for i in range(50):
+        detector.record_hop(W1, False, 5.0 + i * 0.0001)
+    stats = detector.statistics()
+    assert stats.hop_events == 1 and stats.failures == {} and stats.by_replica == {}
+    assert detector.selectable(pool, 5.01) is pool  # 5 events are needed to eject
+    for event in range(1, 5):
+        detector.record_hop(W1, False, 5.0 + event)
+    assert detector.out(W1, 9.0)
+    # Every replica behind it leaves selection; the replicas themselves were never blamed.
+    assert detector.selectable(pool, 9.0) == behind_2
+    assert not any(detector.ejected(r, 9.0) for r in pool)
+    assert detector.statistics(now=9.0).hops == {W1: 10.0}
+
+
+def test_an_unreachable_next_hop_is_ejected_at_once_and_the_edge_can_filter_hops() -> None:
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
+    assert detector.record_hop(W2, False, 0.0, unreachable=True)
+    hops = [W1, W2]
+    assert detector.selectable_hops(hops, 0.5) == [W1]
+    assert detector.selectable_hops(hops, 1.0) is hops
+
+
+# -- what health checks tell the detector ------------------------------------------------------------
+
+
+def test_a_passing_check_ends_an_ejection_at_once_and_a_failing_one_ejects() -> None:
+    detector = OutlierDetector(RAMP)
+    two = replicas(2)
+    a = two[0]
+    assert detector.check_failed(a.name, 0.0)
+    assert not detector.check_failed(a.name, 0.5)  # already out
+    assert detector.selectable(two, 0.5) == two[1:]
+    assert detector.check_passed(a.name, 0.6)  # not 1.0: the check ended it
+    assert not detector.out(a.name, 0.6)
+    assert detector.statistics(now=0.6).ramping == {"r0": 0.6}  # back under slow start
+    assert not detector.check_passed(a.name, 0.7)
+
+
+def test_a_draining_member_takes_nothing_until_a_check_passes() -> None:
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
+    pool = [*replicas(2, W1, "a"), *replicas(2, W2, "b")]
+    detector.check_draining(W1, 0.0)
+    assert detector.selectable(pool, 1000.0) == pool[2:]
+    assert detector.statistics(now=1000.0).hops == {W1: float("inf")}
+    detector.check_passed(W1, 1000.0)
+    assert detector.selectable(pool, 1000.0) is pool
