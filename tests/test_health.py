@@ -7,12 +7,26 @@ bounded by ``trio.fail_after`` and waiting for states, never durations.
 
 from __future__ import annotations
 
+import math
+from typing import cast
+
 import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks.routing import OutlierConfig, OutlierDetector, Replica
+from blocks import Exchange, Proxy, ProxyConfig, Request, RouteTable, Upstreams
+from blocks.fields import ERROR_HEADER
+from blocks.routing import (
+    OutlierConfig,
+    OutlierDetector,
+    Replica,
+    RetryBudget,
+    RetryBudgetConfig,
+    RetryBudgetStatistics,
+)
+
+NO_UPSTREAMS = cast(Upstreams, None)  # deciding never touches the pool
 
 W1 = ("127.0.0.1", 1)
 W2 = ("127.0.0.1", 2)
@@ -152,3 +166,122 @@ def test_a_draining_member_takes_nothing_until_a_check_passes() -> None:
     assert detector.statistics(now=1000.0).hops == {W1: float("inf")}
     detector.check_passed(W1, 1000.0)
     assert detector.selectable(pool, 1000.0) is pool
+
+
+# -- the proxy: a failure of its link to the worker is the worker's ------------------------------------
+
+
+def proxy_table() -> RouteTable:
+    return RouteTable.build(
+        {"app.example": "app"},
+        {"app": [*replicas(2, W1, "a"), *replicas(2, W2, "b")]},
+    )
+
+
+def decide(proxy: Proxy) -> Exchange:
+    exchange = Exchange(proxy, Request(b"GET", b"http", b"app.example", b"/", []))
+    proxy.screen(exchange)
+    proxy.decide(exchange)
+    return exchange
+
+
+def test_streams_a_worker_connection_cut_blame_the_worker_once_not_the_replicas() -> None:
+    now = [0.0]
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0, consecutive_failures=2))
+    proxy = Proxy(proxy_table(), NO_UPSTREAMS, outliers=detector, clock=lambda: now[0])
+    exchanges = [decide(proxy) for _ in range(40)]
+    on_w1 = [e for e in exchanges if e.forward is not None and e.forward.address == W1]
+    assert len(on_w1) == 20
+    # The proxy's connection to W1 was reset: every stream on it fails, at this hop (no hop= or hop=proxy).
+    for i, exchange in enumerate(on_w1):
+        field = b"upstream_reset" if i % 2 else b"upstream_reset; hop=proxy"
+        exchange.failed(502, [(ERROR_HEADER, field)])
+        exchange.closed()
+    stats = detector.statistics()
+    assert stats.by_replica == {} and stats.failures == {} and stats.hop_events == 1
+    # A second event ejects the worker (consecutive_failures=2): both its replicas leave, nobody else.
+    now[0] = 1.0
+    exchange = decide(proxy)
+    while exchange.forward is None or exchange.forward.address != W1:
+        exchange = decide(proxy)
+    exchange.failed(502, [(ERROR_HEADER, b"upstream_reset")])
+    assert detector.out(W1, 1.0)
+    assert {decide(proxy).replica for _ in range(8)} == {"b0", "b1"}
+    assert detector.statistics().by_replica == {}
+
+
+def test_a_replica_the_worker_could_not_reach_is_the_replicas_own_failure() -> None:
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
+    proxy = Proxy(proxy_table(), NO_UPSTREAMS, outliers=detector, clock=lambda: 0.0)
+    exchange = decide(proxy)
+    exchange.failed(502, [(ERROR_HEADER, b"replica_unreachable; hop=worker")])
+    assert exchange.replica is not None and detector.statistics().ejected.keys() == {exchange.replica}
+    assert detector.statistics().hops == {}
+
+
+# -- the retry budget ---------------------------------------------------------------------------------
+
+
+def test_retry_budget_defaults_and_validation() -> None:
+    config = RetryBudgetConfig()
+    assert (config.ratio, config.window, config.min_per_second) == (0.2, 10.0, 10.0)
+    for bad in [{"ratio": -0.1}, {"window": 0.0}, {"min_per_second": -1.0}, {"window": math.inf}]:
+        with pytest.raises(ValueError):
+            RetryBudgetConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_retries_are_a_share_of_requests_plus_a_floor_over_the_window() -> None:
+    budget = RetryBudget(RetryBudgetConfig(ratio=0.2, window=10.0, min_per_second=1.0))
+    assert [budget.try_retry(0.0) for _ in range(11)] == [True] * 10 + [False]  # the floor: 1/s over 10 s
+    for _ in range(100):
+        budget.requests += 1
+    assert [budget.try_retry(1.0) for _ in range(21)] == [True] * 20 + [False]  # plus a fifth of 100
+    assert budget.statistics(1.0) == RetryBudgetStatistics(requests=100, retries=30, refused=2, available=0.0)
+    # Ten seconds after the first step ended, its retries have left the window, and the requests counted
+    # in it with them, while the 20 retries taken at 1.0 still count: the budget errs towards fewer.
+    assert not budget.try_retry(11.5)
+    assert budget.statistics(11.5).available == 0.0
+    # Once their step ended ten seconds ago too, the floor is back.
+    assert budget.statistics(12.0).available == pytest.approx(10.0)
+    assert budget.try_retry(12.0)
+
+
+def test_a_proxy_retry_the_budget_refuses_answers_the_original_error() -> None:
+    config = ProxyConfig(retry_budget=RetryBudgetConfig(ratio=0.0, min_per_second=0.1, window=10.0))
+    proxy = Proxy(proxy_table(), NO_UPSTREAMS, config=config, clock=lambda: 0.0)
+    assert proxy.retry_budget is not None
+    error = [(ERROR_HEADER, b"replica_unreachable; hop=worker")]
+    assert proxy.retry(decide(proxy), 502, list(error)) is not None  # the floor: one retry in 10 s
+    assert proxy.retry(decide(proxy), 502, list(error)) is None
+    stats = proxy.statistics()
+    assert (stats.retried, stats.retries_refused) == (1, 1)
+    assert proxy.retry_budget.requests == 2  # every routed request; a retry is not a request of its own
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ratio=st.floats(0, 1),
+    window=st.floats(0.5, 30),
+    floor=st.floats(0, 20),
+    script=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 10), st.floats(0, 3)), max_size=100),
+)
+def test_retries_never_exceed_the_budget_over_any_window(
+    ratio: float, window: float, floor: float, script: list[tuple[int, int, float]]
+) -> None:
+    budget = RetryBudget(RetryBudgetConfig(ratio=ratio, window=window, min_per_second=floor))
+    now = 0.0
+    taken: list[float] = []
+    requests: list[tuple[float, int]] = []
+    for n_requests, n_retries, step in script:
+        now += step
+        budget.requests += n_requests
+        requests.append((now, n_requests))
+        for _ in range(n_retries):
+            if budget.try_retry(now):
+                taken.append(now)
+        # Over the window that ends now, retries stay within a share of every request counted so far
+        # plus the floor.
+        recent = [t for t in taken if t > now - window]
+        assert len(recent) <= ratio * budget.requests + floor * window + 1e-6
+    stats = budget.statistics()
+    assert stats.retries == len(taken) and stats.refused == sum(r for _, r, _ in script) - len(taken)

@@ -25,7 +25,16 @@ from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Fo
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
 from blocks.prober import AutoscaleSignal, LoadEstimator, ProberAware, ProberConfig, open_prober
-from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
+from blocks.routing import (
+    LeastInFlight,
+    OutlierConfig,
+    OutlierDetector,
+    Policy,
+    Replica,
+    RetryBudget,
+    RetryBudgetConfig,
+    Routes,
+)
 from blocks.scheduler import Scheduler, SchedulerConfig, TenantKey, header_tenant, open_scheduler
 from blocks.sessions import SessionBroker, SessionConfig, open_sessions
 from blocks.tokens import ProxyAuth, TokenIssuer, TokenVerifier
@@ -38,16 +47,23 @@ DEFAULT_OUTLIERS = OutlierConfig()
 
 @attrs.frozen(kw_only=True)
 class ProxyConfig:
+    """``name``: the proxy's name in ``via``, Server-Timing and errors.
+    ``retry_budget``: what :meth:`Proxy.retry` may spend (:class:`~blocks.routing.RetryBudget`);
+    None retries every request that reached no replica, once."""
+
     name: str = "proxy"
+    retry_budget: RetryBudgetConfig | None = attrs.field(factory=RetryBudgetConfig)
 
 
 @attrs.frozen
 class ProxyStatistics:
-    """``retried``: requests sent to another replica because the first was unreachable."""
+    """``retried``: requests sent to another replica because the first was unreachable;
+    ``retries_refused``: retries the retry budget refused (the original error was answered)."""
 
     in_flight: dict[str, int]
     no_route: int
     retried: int = 0
+    retries_refused: int = 0
 
 
 class AppLookup(Feature):
@@ -166,12 +182,20 @@ class Router(Feature):
     """
 
     def __init__(
-        self, routes: Routes, policy: Policy, in_flight: Mapping[str, int], name: str, outliers: OutlierDetector | None
+        self,
+        routes: Routes,
+        policy: Policy,
+        in_flight: Mapping[str, int],
+        name: str,
+        outliers: OutlierDetector | None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self.routes = routes
         self.policy = policy
         self.in_flight = in_flight
         self.outliers = outliers
+        self.budget = budget
+        """Counts every routed request (one integer add), for :meth:`Proxy.retry`'s budget."""
         self.no_route = 0
         self._phase = f"{name}-route"
         self._via = (b"via", b"2 " + name.encode())
@@ -189,6 +213,8 @@ class Router(Feature):
         if self.outliers is not None:
             candidates = self.outliers.selectable(candidates, exchange.hop.clock())
         replica = self.policy.pick(request, candidates, self.in_flight)
+        if self.budget is not None:
+            self.budget.requests += 1
         exchange.timing.phase(self._phase, perf_counter() - start)
         return self.forward(exchange, replica)
 
@@ -246,6 +272,12 @@ class Outliers(Feature):
 
     A failure whose ``proxyblocks-error`` says the replica could not be
     reached (``replica_unreachable``, ``replica_refused``) counts as such.
+    A failure of the proxy's own connection to the worker (its
+    ``proxyblocks-error`` names no hop, or this one: a connect that failed,
+    a reset or GOAWAY that cut the stream) is the worker's, not the
+    replica's: it goes to :meth:`~blocks.routing.OutlierDetector.record_hop`
+    for the worker's address, once per connection event, and the healthy
+    replicas behind it are not blamed.
     """
 
     def __init__(self, detector: OutlierDetector) -> None:
@@ -258,12 +290,25 @@ class Outliers(Feature):
         if status < 500:
             self.detector.record(replica, True, exchange.hop.clock())
             return
-        unreachable = False
         for name, value in headers:
             if name == ERROR_HEADER:
-                unreachable = value.partition(b";")[0] in RETRYABLE_REASONS
+                reason, _, where = value.partition(b";")
+                unreachable = reason in RETRYABLE_REASONS
+                if (unreachable or reason == b"upstream_reset") and _local(where, exchange.hop.name):
+                    forward = exchange.forward
+                    address = forward.address if forward is not None else replica.worker
+                    self.detector.record_hop(address, False, exchange.hop.clock(), unreachable=unreachable)
+                    return
                 break
+        else:
+            unreachable = False
         self.detector.record(replica, False, exchange.hop.clock(), unreachable=unreachable)
+
+
+def _local(where: bytes, hop: str) -> bool:
+    """Whether an error field's ``; hop=NAME`` part names no hop or ``hop``: the failure was this hop's own link."""
+    _, found, name = where.partition(b"hop=")
+    return not found or name.strip().decode("latin-1") == hop
 
 
 class ReportRoute(Feature):
@@ -350,7 +395,9 @@ class Proxy(Hop):
         self.tenant_key = tenant_key
         accounting = InFlight(load)
         self.in_flight = accounting.counts
-        self.router = Router(routes, policy or LeastInFlight(), self.in_flight, name, outliers)
+        budget = self.config.retry_budget
+        self.retry_budget = RetryBudget(budget) if budget is not None else None
+        self.router = Router(routes, policy or LeastInFlight(), self.in_flight, name, outliers, self.retry_budget)
         stack: list[Feature] = [ReportRoute(tenant_key), AppLookup(routes)]
         if sessions is not None:
             stack.append(SessionPin(sessions, tenant_key, name))
@@ -365,6 +412,7 @@ class Proxy(Hop):
         super().__init__(name, upstreams, stack, admission=admission, clock=clock)
         self.scheduler = scheduler
         self.retried = 0
+        self.retries_refused = 0
 
     retries = True
 
@@ -376,8 +424,10 @@ class Proxy(Hop):
         """Once per request, one that reached no replica (the worker says ``replica_unreachable`` or
         ``replica_refused``, or the worker itself was unreachable) goes to another replica of its app.
 
-        The failure counts for the first replica's outlier detection; a
-        session's request (pinned, not picked) is never moved.
+        The failure counts for the first replica's outlier detection (or
+        its worker's); a session's request (pinned, not picked) is never
+        moved. A retry the retry budget refuses (``ProxyConfig.retry_budget``)
+        answers the original error, counted in ``retries_refused``.
         """
         failed = exchange.picked
         if failed is None or exchange.retried:
@@ -393,6 +443,10 @@ class Proxy(Hop):
         replica = self.router.alternative(exchange, failed)
         if replica is None:
             return None
+        budget = self.retry_budget
+        if budget is not None and not budget.try_retry(self.clock()):
+            self.retries_refused += 1
+            return None
         exchange.failed(status, headers)
         exchange.undispatch()
         forward = self.router.forward(exchange, replica)
@@ -401,7 +455,7 @@ class Proxy(Hop):
         return forward
 
     def statistics(self) -> ProxyStatistics:
-        return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried)
+        return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried, self.retries_refused)
 
 
 async def serve_proxy(
