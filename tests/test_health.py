@@ -7,16 +7,31 @@ bounded by ``trio.fail_after`` and waiting for states, never durations.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import cast
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import attrs
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import Exchange, Proxy, ProxyConfig, Request, RouteTable, Upstreams
-from blocks.fields import ERROR_HEADER
+from blocks import (
+    Exchange,
+    LocalReplica,
+    Proxy,
+    ProxyConfig,
+    Request,
+    RouteTable,
+    Upstreams,
+    open_upstreams,
+    serve_proxy,
+    serve_worker,
+)
+from blocks.fields import ERROR_HEADER, HEALTH_PATH, PROBE_HEADER, REPLICA_HEADER, TARGET_HEADER
+from blocks.prober import HealthChecker, HealthConfig, ProberConfig
 from blocks.routing import (
     OutlierConfig,
     OutlierDetector,
@@ -25,6 +40,8 @@ from blocks.routing import (
     RetryBudgetConfig,
     RetryBudgetStatistics,
 )
+from blocks.testing import serve_demo_replica
+from tests.support import HOST, closed_port, wait_for
 
 NO_UPSTREAMS = cast(Upstreams, None)  # deciding never touches the pool
 
@@ -285,3 +302,189 @@ def test_retries_never_exceed_the_budget_over_any_window(
         assert len(recent) <= ratio * budget.requests + floor * window + 1e-6
     stats = budget.statistics()
     assert stats.retries == len(taken) and stats.refused == sum(r for _, r, _ in script) - len(taken)
+
+
+# -- end to end: the checker, a proxy, two workers, real sockets ------------------------------------------
+
+SLOW_EJECTION = OutlierConfig(base_ejection=30.0, max_ejection=60.0)  # only a health check can end one early
+FAST_CHECKS = HealthConfig(interval=0.2, timeout=0.2)
+
+
+async def start_cancellable(
+    nursery: trio.Nursery, fn: Callable[..., Awaitable[None]], **kwargs: Any
+) -> tuple[trio.CancelScope, Any]:
+    """Start ``fn`` under a cancel scope of its own: cancelling it is the process dying (its sockets close)."""
+    scope = trio.CancelScope()
+
+    async def run(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await fn(task_status=task_status, **kwargs)
+
+    return scope, await nursery.start(run)
+
+
+@attrs.define
+class Fleet:
+    """Two workers, each with one demo replica, and a proxy with health checks in front."""
+
+    nursery: trio.Nursery
+    worker_scopes: dict[str, trio.CancelScope]
+    replica_scopes: dict[str, trio.CancelScope]
+    workers: dict[str, tuple[str, int]]
+    replicas: dict[str, tuple[str, int]]
+    proxy_port: int
+    proxy: Proxy
+
+    @property
+    def detector(self) -> OutlierDetector:
+        assert self.proxy.outliers is not None
+        return self.proxy.outliers
+
+    @property
+    def checker(self) -> HealthChecker:
+        assert self.proxy.health_checker is not None
+        return self.proxy.health_checker
+
+    async def start_worker(self, name: str, port: int = 0) -> None:
+        replica = {f"{name}-r": LocalReplica(self.replicas[f"{name}-r"])} if f"{name}-r" in self.replicas else {}
+        scope, (server, _) = await start_cancellable(
+            self.nursery, serve_worker, replicas=replica, port=port, name="worker"
+        )
+        self.worker_scopes[name] = scope
+        self.workers[name] = (HOST, server.port)
+
+    async def start_replica(self, name: str, port: int = 0) -> None:
+        scope, server = await start_cancellable(self.nursery, serve_demo_replica, name=name, port=port)
+        self.replica_scopes[name] = scope
+        self.replicas[name] = (HOST, server.port)
+
+    async def get(self, path: bytes = b"/") -> tuple[int, bytes]:
+        async with open_upstreams() as upstreams:
+            request = Request(b"GET", b"http", b"app.example", path)
+            response = await upstreams.request((HOST, self.proxy_port), request, [])
+            await response.body.read_all()
+            return response.status, response.header(b"x-replica") or b""
+
+
+async def fleet(nursery: trio.Nursery, **proxy: Any) -> Fleet:
+    f = Fleet(nursery, {}, {}, {}, {}, 0, cast(Proxy, None))
+    for name in ("w1", "w2"):
+        await f.start_replica(f"{name}-r")
+        await f.start_worker(name)
+    table = RouteTable.build(
+        {"app.example": "app"},
+        {"app": [Replica(name=f"{w}-r", worker=f.workers[w], address=f.replicas[f"{w}-r"]) for w in ("w1", "w2")]},
+    )
+    options: dict[str, Any] = {"outliers": SLOW_EJECTION, "health": FAST_CHECKS, **proxy}
+    server, f.proxy = await nursery.start(functools.partial(serve_proxy, table, **options))
+    f.proxy_port = server.port
+    if f.proxy.health_checker is not None:
+        await f.checker.wait_round()
+    return f
+
+
+async def test_every_hop_answers_its_health_check_and_a_worker_whether_it_reaches_a_replica(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(10):
+        f = await fleet(nursery)
+        w1 = f.workers["w1"]
+        async with open_upstreams() as upstreams:
+
+            async def check(address: tuple[str, int], *fields: tuple[bytes, bytes]) -> int:
+                request = Request(b"GET", b"http", b"x", HEALTH_PATH)
+                response = await upstreams.request(address, request, [(PROBE_HEADER, b"1"), *fields])
+                await response.body.read_all()
+                return response.status
+
+            assert await check((HOST, f.proxy_port)) == 200
+            assert await check(w1) == 200
+            replica = (REPLICA_HEADER, b"w1-r")
+            assert await check(w1, replica) == 200
+            target = (TARGET_HEADER, f"h2 {HOST}:{closed_port()}".encode())
+            assert await check(w1, (REPLICA_HEADER, b"elsewhere"), target) == 502
+            # The moment a drain starts (what HTTPServer.drain sets first), the hop answers 503.
+            assert f.proxy.server is not None
+            f.proxy.server.draining = True
+            assert await check((HOST, f.proxy_port)) == 503
+            f.proxy.server.draining = False
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_worker_is_ejected_before_requests_find_it_and_back_within_a_check_when_it_returns(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(15):
+        f = await fleet(nursery)
+        w1 = f.workers["w1"]
+        assert {(await f.get())[0] for _ in range(4)} == {200}
+        f.worker_scopes["w1"].cancel()
+        await wait_for(lambda: f.detector.out(w1, trio.current_time()), "the checker ejects the dead worker")
+        # Ejected by its check: no request finds it dead, and its replica was never blamed.
+        answers = [await f.get() for _ in range(6)]
+        assert answers == [(200, b"w2-r")] * 6
+        stats = f.detector.statistics()
+        assert stats.by_replica == {} and "w1-r" not in stats.failures
+        # It comes back on the same port: its ejection (30 s) ends at the next check, under slow start.
+        await f.start_worker("w1", port=w1[1])
+        back_at = f.checker.statistics().rounds
+        await wait_for(lambda: not f.detector.out(w1, trio.current_time()), "the worker is back")
+        assert f.checker.statistics().rounds - back_at <= 2  # within one interval (plus the round under way)
+        assert w1 in f.detector.statistics(now=trio.current_time()).ramping
+        await wait_for(lambda: not f.detector.statistics(now=trio.current_time()).ramping, "a full member again")
+        assert {(await f.get())[1] for _ in range(8)} == {b"w1-r", b"w2-r"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_streams_cut_by_a_workers_death_do_not_eject_the_replicas_behind_it(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        f = await fleet(nursery, health=None, outliers=OutlierConfig(base_ejection=30.0, max_ejection=60.0))
+        statuses: list[int] = []
+
+        async def held() -> None:
+            statuses.append((await f.get(b"/sleep?ms=20000"))[0])
+
+        async with trio.open_nursery() as requests:
+            for _ in range(8):
+                requests.start_soon(held)
+            await wait_for(lambda: sum(f.proxy.in_flight.values()) == 8)
+            assert f.proxy.in_flight["w1-r"] == 4
+            f.worker_scopes["w1"].cancel()
+            # Each cut stream either fails (502) or, never processed (a GOAWAY's refused stream), is retried.
+            await wait_for(lambda: f.proxy.in_flight["w1-r"] == 0, "the streams on the dead worker end")
+            requests.cancel_scope.cancel()
+        assert set(statuses) <= {502}
+        stats = f.detector.statistics()
+        # Four streams, one connection event, counted against the worker, never its (healthy) replica.
+        assert stats.hop_events == 1 and stats.by_replica == {} and stats.failures == {}
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_ejected_replica_that_answers_again_is_back_within_a_check(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        f = await fleet(nursery)
+        port = f.replicas["w1-r"][1]
+        f.replica_scopes["w1-r"].cancel()
+        # Requests find it unreachable (the worker says so): ejected for 30 s, the request retried elsewhere.
+        while not f.detector.statistics(now=trio.current_time()).ejected:
+            assert await f.get() == (200, b"w2-r")
+        assert f.detector.statistics().ejected.keys() == {"w1-r"}
+        assert f.detector.statistics().hops == {}  # its worker is fine
+        await f.start_replica("w1-r", port=port)
+        back_at = f.checker.statistics().rounds
+        await wait_for(lambda: not f.detector.statistics(now=trio.current_time()).ejected, "the replica is back")
+        assert f.checker.statistics().rounds - back_at <= 2
+        assert "w1-r" in f.detector.statistics(now=trio.current_time()).ramping
+        nursery.cancel_scope.cancel()
+
+
+async def test_with_a_prober_its_load_polls_are_the_workers_checks(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        f = await fleet(nursery, prober=ProberConfig(interval=0.2, timeout=0.2, stale_after=1.0))
+        assert f.checker.polled
+        w2 = f.workers["w2"]
+        f.worker_scopes["w2"].cancel()
+        await wait_for(lambda: f.detector.out(w2, trio.current_time()), "the prober's failed poll ejects it")
+        assert f.checker.statistics().checks == 0  # no second poller
+        assert f.checker.statistics().last[w2] is None
+        nursery.cancel_scope.cancel()

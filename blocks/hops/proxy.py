@@ -24,7 +24,16 @@ from blocks.fields import (
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
-from blocks.prober import AutoscaleSignal, LoadEstimator, ProberAware, ProberConfig, open_prober
+from blocks.prober import (
+    AutoscaleSignal,
+    HealthChecker,
+    HealthConfig,
+    LoadEstimator,
+    ProberAware,
+    ProberConfig,
+    open_health_checker,
+    open_prober,
+)
 from blocks.routing import (
     LeastInFlight,
     OutlierConfig,
@@ -43,6 +52,9 @@ from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstrea
 
 DEFAULT_OUTLIERS = OutlierConfig()
 """:func:`serve_proxy`'s outlier ejection, on unless ``outliers=None``."""
+
+DEFAULT_HEALTH = HealthConfig()
+""":func:`serve_proxy`'s active health checks of its workers and ejected replicas, on unless ``health=None``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -157,8 +169,8 @@ class Authorize(Feature):
 
     def screen(self, exchange: Exchange) -> None:
         app = exchange.app
-        if app is None:
-            return  # no route: 503
+        if app is None or exchange.answer is not None:
+            return  # no route: 503; or answered by the hop (a health check)
         request = exchange.request
         claims = exchange.claims
         if claims is not None and claims.kind == "session":
@@ -413,6 +425,8 @@ class Proxy(Hop):
         self.scheduler = scheduler
         self.retried = 0
         self.retries_refused = 0
+        self.health_checker: HealthChecker | None = None
+        """The health checker feeding ``outliers``, when :func:`serve_proxy` runs one."""
 
     retries = True
 
@@ -468,6 +482,7 @@ async def serve_proxy(
     scheduler: SchedulerConfig | None = None,
     tenant_key: TenantKey | None = None,
     outliers: OutlierConfig | None = DEFAULT_OUTLIERS,
+    health: HealthConfig | None = DEFAULT_HEALTH,
     prober: ProberConfig | None = None,
     autoscale: AutoscaleSignal | None = None,
     auth: ProxyAuth | None = None,
@@ -487,7 +502,14 @@ async def serve_proxy(
     ``tenant_key``, the ``x-tenant`` header by default). With ``outliers``
     (on by default: :class:`~blocks.routing.OutlierConfig`'s defaults; None
     turns it off), replicas that keep failing are ejected from selection for
-    a while (:class:`~blocks.routing.OutlierDetector`). A request that
+    a while (:class:`~blocks.routing.OutlierDetector`). With ``health`` too
+    (on by default; None turns it off), a background
+    :func:`~blocks.prober.open_health_checker` checks every worker in
+    ``routes`` and every ejected replica through its worker once an
+    interval, and tells the detector (``proxy.health_checker``): an
+    ejection ends as soon as a check passes, a draining worker takes no new
+    requests, a dead one is ejected before requests find it; where a prober
+    runs, its load polls are the workers' checks. A request that
     reached no replica is sent once more, to another (:meth:`Proxy.retry`). With ``prober``, a background
     :func:`~blocks.prober.open_prober` polls every worker in ``routes`` for
     its replicas' load, the proxy's own dispatches correct it, and the
@@ -516,6 +538,20 @@ async def serve_proxy(
             broker = await stack.enter_async_context(
                 open_sessions(sessions, routes, upstreams, session_issuer, verifier)
             )
+        detector = OutlierDetector(outliers) if outliers is not None else None
+        workers = lambda: {replica.worker for replicas in routes.app_replicas().values() for replica in replicas}  # noqa: E731
+        checker = None
+        if health is not None and detector is not None:
+            checker = await stack.enter_async_context(
+                open_health_checker(
+                    upstreams,
+                    workers,
+                    detector,
+                    health,
+                    replicas=lambda: [replica for replicas in routes.app_replicas().values() for replica in replicas],
+                    polled=prober is not None or broker is not None,
+                )
+            )
         estimator = None
         if prober is not None or broker is not None:
             estimator = LoadEstimator()
@@ -524,13 +560,14 @@ async def serve_proxy(
             await stack.enter_async_context(
                 open_prober(
                     upstreams,
-                    lambda: {replica.worker for replicas in routes.app_replicas().values() for replica in replicas},
+                    workers,
                     estimator,
                     prober,
                     autoscale=autoscale,
                     apps=routes.app_replicas,
                     on_report=broker.report if broker is not None else None,
                     session_apps=sessions.apps if sessions is not None else (),
+                    on_poll=checker.observe if checker is not None else None,
                 )
             )
             if prober is None:
@@ -545,7 +582,7 @@ async def serve_proxy(
             config=config,
             scheduler=fair,
             tenant_key=tenant_key,
-            outliers=OutlierDetector(outliers) if outliers is not None else None,
+            outliers=detector,
             auth=auth,
             sessions=broker,
             mirror=tee,
@@ -561,4 +598,6 @@ async def serve_proxy(
             upstreams=upstreams,
         )
         server = await nursery.start(serve)
+        proxy.server = server
+        proxy.health_checker = checker
         task_status.started((server, proxy))
