@@ -15,9 +15,9 @@ no allocation, no clock); the clock is read only when a retry is wanted.
 The window slides in ``window / 10`` steps: a step's retries, and the count
 of requests when it started, leave the window together once the step's end
 is ``window`` old (so no retry leaves early: the budget looks back between
-``window`` and ``1.1 * window``). Requests counted while no retry looked at the budget for
-longer than the window are counted from the first step after that: the
-budget errs on the side of fewer retries.
+``window`` and ``1.1 * window``). Requests counted while no step was open
+(before the first look, or after a window with no look) count in the next
+step: at worst, after a quiet spell, a few requests older than the window.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class RetryBudget:
         # Each step: [when it started, self.requests then, retries taken in it].
         self._steps: collections.deque[list[float]] = collections.deque()
         self._in_window = 0  # retries taken in the steps kept
+        self._looked = 0  # self.requests at the last look
         self._available = self.config.min_per_second * self.config.window
 
     def __repr__(self) -> str:
@@ -91,8 +92,11 @@ class RetryBudget:
         width = config.window / _STEPS
         while steps and steps[0][0] + width <= now - config.window:  # (a step ends, at the latest, width on)
             self._in_window -= int(steps.popleft()[2])
-        if not steps or now >= steps[-1][0] + width:
+        if not steps:
+            steps.append([now, float(self._looked), 0.0])  # what came since the last look counts from here
+        elif now >= steps[-1][0] + width:
             steps.append([now, float(self.requests), 0.0])
+        self._looked = self.requests
         return steps[-1]
 
     def available(self, now: float) -> float:
