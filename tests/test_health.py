@@ -175,6 +175,14 @@ def test_a_passing_check_ends_an_ejection_at_once_and_a_failing_one_ejects() -> 
     assert not detector.check_passed(a.name, 0.7)
 
 
+def test_a_check_that_passes_while_in_selection_does_not_forgive_failing_requests() -> None:
+    detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
+    for event in range(4):
+        detector.record_hop(W1, False, float(event))
+    assert not detector.check_passed(W1, 4.5)  # it was never out: nothing to end
+    assert detector.record_hop(W1, False, 5.0)  # the fifth event in a row ejects it
+
+
 def test_a_draining_member_takes_nothing_until_a_check_passes() -> None:
     detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
     pool = [*replicas(2, W1, "a"), *replicas(2, W2, "b")]

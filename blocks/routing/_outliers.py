@@ -237,12 +237,14 @@ class OutlierDetector:
     def check_passed(self, key: Member, now: float) -> bool:
         """An active health check of ``key`` passed: its ejection (or drain) ends now; True if it was out.
 
-        It comes back under slow start, its failures forgotten.
+        It comes back under slow start, counting from zero. (A check that
+        passes while the member is in selection changes nothing: requests
+        that fail still count, as Envoy's outlier detection counts them.)
         """
-        self._failures.pop(key, None)
         until = self._until.pop(key, None)
         if until is None:
             return False
+        self._failures.pop(key, None)
         self._back(key, min(now, until))
         return True
 
