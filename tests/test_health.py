@@ -20,11 +20,16 @@ from hypothesis import strategies as st
 
 from blocks import (
     Exchange,
+    Keyring,
     LocalReplica,
     Proxy,
+    ProxyAuth,
     ProxyConfig,
     Request,
     RouteTable,
+    TokenKey,
+    TokenVerifier,
+    Unauthorized,
     Upstreams,
     open_upstreams,
     serve_proxy,
@@ -233,6 +238,17 @@ def test_streams_a_worker_connection_cut_blame_the_worker_once_not_the_replicas(
     assert detector.out(W1, 1.0)
     assert {decide(proxy).replica for _ in range(8)} == {"b0", "b1"}
     assert detector.statistics().by_replica == {}
+
+
+def test_a_health_check_is_answered_by_the_hop_before_auth_and_other_requests_still_need_a_token() -> None:
+    auth = ProxyAuth(TokenVerifier(Keyring([TokenKey.hmac("k1", bytes(range(32)))])), apps={"app"})
+    proxy = Proxy(proxy_table(), NO_UPSTREAMS, auth=auth, clock=lambda: 0.0)
+    check = Exchange(proxy, Request(b"GET", b"http", b"app.example", HEALTH_PATH, [(PROBE_HEADER, b"1")]))
+    proxy.screen(check)
+    assert check.answer == proxy.health
+    plain = Exchange(proxy, Request(b"GET", b"http", b"app.example", HEALTH_PATH, []))  # no probe field: the app's
+    with pytest.raises(Unauthorized):
+        proxy.screen(plain)
 
 
 def test_a_replica_the_worker_could_not_reach_is_the_replicas_own_failure() -> None:

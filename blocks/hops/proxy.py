@@ -14,6 +14,7 @@ import trio
 from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized
 from blocks.fields import (
     ERROR_HEADER,
+    HEALTH_PATH,
     REPLICA_HEADER,
     REPORT_HEADER,
     ROUTED_HEADER,
@@ -169,8 +170,10 @@ class Authorize(Feature):
 
     def screen(self, exchange: Exchange) -> None:
         app = exchange.app
-        if app is None or exchange.answer is not None:
-            return  # no route: 503; or answered by the hop (a health check)
+        if app is None:
+            return  # no route: 503
+        if exchange.answer is not None and exchange.request.path == HEALTH_PATH:
+            return  # a health check, answered by the hop (a session start, also an answer, is authorized)
         request = exchange.request
         claims = exchange.claims
         if claims is not None and claims.kind == "session":
