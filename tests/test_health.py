@@ -17,6 +17,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from blocks import (
     Exchange,
@@ -36,6 +37,7 @@ from blocks import (
     serve_worker,
 )
 from blocks.fields import ERROR_HEADER, HEALTH_PATH, PROBE_HEADER, REPLICA_HEADER, TARGET_HEADER
+from blocks.observe import MetricsCollector, Observed, Part
 from blocks.prober import HealthChecker, HealthConfig, ProberConfig
 from blocks.routing import (
     OutlierConfig,
@@ -390,6 +392,16 @@ class Fleet:
             return response.status, response.header(b"x-replica") or b""
 
 
+def metric(f: Fleet, name: str, **labels: str) -> float | None:
+    """The proxy's sample of ``name`` with ``labels``, as its admin listener would render it (None: absent)."""
+    assert f.proxy.server is not None
+    registry = CollectorRegistry()
+    registry.register(
+        MetricsCollector(lambda: Observed(parts=[Part(name="proxy", server=f.proxy.server, hop=f.proxy)]))
+    )
+    return registry.get_sample_value(name, {"hop": "proxy", **labels})
+
+
 async def fleet(nursery: trio.Nursery, **proxy: Any) -> Fleet:
     f = Fleet(nursery, {}, {}, {}, {}, 0, cast(Proxy, None))
     for name in ("w1", "w2"):
@@ -449,6 +461,7 @@ async def test_a_dead_worker_is_ejected_before_requests_find_it_and_back_within_
         assert answers == [(200, b"w2-r")] * 6
         stats = f.detector.statistics()
         assert stats.by_replica == {} and "w1-r" not in stats.failures
+        assert metric(f, "proxyblocks_outlier_next_hop_ejected", next_hop=f"{HOST}:{w1[1]}") == 1.0
         # It comes back on the same port: its ejection (30 s) ends at the next check, under slow start.
         await f.start_worker("w1", port=w1[1])
         back_at = f.checker.statistics().rounds
@@ -499,6 +512,8 @@ async def test_an_ejected_replica_that_answers_again_is_back_within_a_check(nurs
         await wait_for(lambda: not f.detector.statistics(now=trio.current_time()).ejected, "the replica is back")
         assert f.checker.statistics().rounds - back_at <= 2
         assert "w1-r" in f.detector.statistics(now=trio.current_time()).ramping
+        share = metric(f, "proxyblocks_outlier_slow_start_share", member="w1-r")
+        assert share is not None and 0 < share < 1
         nursery.cancel_scope.cancel()
 
 
