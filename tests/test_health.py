@@ -462,6 +462,7 @@ async def test_a_dead_worker_is_ejected_before_requests_find_it_and_back_within_
         stats = f.detector.statistics()
         assert stats.by_replica == {} and "w1-r" not in stats.failures
         assert metric(f, "proxyblocks_outlier_next_hop_ejected", next_hop=f"{HOST}:{w1[1]}") == 1.0
+        assert (metric(f, "proxyblocks_health_check_failures_total") or 0) >= 1
         # It comes back on the same port: its ejection (30 s) ends at the next check, under slow start.
         await f.start_worker("w1", port=w1[1])
         back_at = f.checker.statistics().rounds

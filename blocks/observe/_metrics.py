@@ -444,12 +444,26 @@ class MetricsCollector:
             "Selections that ignored ejection: fewer than the panic threshold of an app's replicas were left.",
             labels=["hop"],
         )
+        checks = CounterMetricFamily(
+            "proxyblocks_health_checks",
+            "Active health checks the proxy sent (its workers, ejected replicas through their worker).",
+            labels=["hop"],
+        )
+        checks_failed = CounterMetricFamily(
+            "proxyblocks_health_check_failures",
+            "Health checks (or the prober's polls standing for them) that found no usable answer.",
+            labels=["hop"],
+        )
         for part in parts:
             hop = part.hop
             if not isinstance(hop, Proxy):
                 continue
             retried.add_metric([part.name], hop.retried)
             refused_retries.add_metric([part.name], hop.retries_refused)
+            if hop.health_checker is not None:
+                health = hop.health_checker.statistics()
+                checks.add_metric([part.name], health.checks)
+                checks_failed.add_metric([part.name], health.failed)
             if hop.scheduler is not None:
                 for row in self.tenant_rows(hop):
                     name = row["name"]
@@ -477,7 +491,7 @@ class MetricsCollector:
                     ramping.add_metric([part.name, label], hop.outliers.share(member, now))
                 panics.add_metric([part.name], outliers.panics)
         yield from (admitted, queued, refused, depth, running, mirror, ejections, ejected, retried)
-        yield from (refused_retries, hop_ejected, ramping, panics)
+        yield from (refused_retries, hop_ejected, ramping, panics, checks, checks_failed)
 
     def tenant_rows(self, proxy: Proxy) -> list[dict[str, Any]]:
         """The proxy's scheduler per tenant: the top tenants by name, the rest summed as ``other``
