@@ -176,7 +176,8 @@ def test_a_passing_check_ends_an_ejection_at_once_and_a_failing_one_ejects() -> 
     assert detector.check_failed(a.name, 0.0)
     assert not detector.check_failed(a.name, 0.5)  # already out
     assert detector.selectable(two, 0.5) == two[1:]
-    assert detector.check_passed(a.name, 0.6)  # not 1.0: the check ended it
+    assert detector.out(a.name, 1000.0)  # held out while its checks fail, not for an ejection's time
+    assert detector.check_passed(a.name, 0.6)  # the first check that passes ends it
     assert not detector.out(a.name, 0.6)
     assert detector.statistics(now=0.6).ramping == {"r0": 0.6}  # back under slow start
     assert not detector.check_passed(a.name, 0.7)

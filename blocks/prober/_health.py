@@ -14,7 +14,7 @@ connections and tells the detector:
   at once (:meth:`~blocks.routing.OutlierDetector.check_passed`: it is back
   within one interval, under slow start); 503 (it drains) takes it out until
   a check passes (``check_draining``); no answer within ``timeout``, or any
-  other status, ejects it before requests find it dead (``check_failed``).
+  other status, takes it out until a check passes, before requests find it dead (``check_failed``).
 - a replica that is ejected (``replicas()``, read each round, filtered by
   the detector) is checked through its worker: the same request with
   ``x-proxyblocks-replica`` and ``x-proxyblocks-target``, which the worker

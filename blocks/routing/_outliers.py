@@ -249,13 +249,18 @@ class OutlierDetector:
         return True
 
     def check_failed(self, key: Member, now: float) -> bool:
-        """An active health check of ``key`` failed (no answer, or not 200 nor 503): it is ejected now,
-        before requests find it dead, unless it already is. True if this ejected it."""
-        until = self._until.get(key)
-        if until is not None and now < until:
+        """An active health check of ``key`` failed (no answer, or not 200 nor 503): it is out of selection
+        now, before requests find it dead, and stays out until a check passes (as Envoy's active health
+        checking holds an unhealthy host). True if this took it out (it counts as an ejection)."""
+        if self._until.get(key) == math.inf:
             return False
-        self._until.pop(key, None)
-        self._eject(key, now, "failed its health check")
+        self._until[key] = math.inf
+        self._failures.pop(key, None)
+        self._ramp.pop(key, None)
+        self._ejections += 1
+        if isinstance(key, str):
+            self._by_replica[key] = self._by_replica.get(key, 0) + 1
+        log.warning("%s failed its health check: out until a check passes", _label(key))
         return True
 
     def check_draining(self, key: Member, now: float) -> None:
