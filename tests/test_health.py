@@ -183,6 +183,17 @@ def test_a_passing_check_ends_an_ejection_at_once_and_a_failing_one_ejects() -> 
     assert not detector.check_passed(a.name, 0.7)
 
 
+def test_a_member_that_leaves_the_pool_is_forgotten_and_selection_is_fast_again() -> None:
+    detector = OutlierDetector(RAMP)
+    two = replicas(2, W2, "b")
+    detector.check_failed(W1, 0.0)  # held out until a check passes: none will, it left
+    detector.joined("b0", 0.0)
+    detector.forget(W1)
+    detector.forget("b0")
+    assert detector.selectable(two, 0.1) is two
+    assert detector.statistics().hops == {} and detector.statistics().ramping == {}
+
+
 def test_a_check_that_passes_while_in_selection_does_not_forgive_failing_requests() -> None:
     detector = OutlierDetector(attrs.evolve(RAMP, slow_start_window=0.0))
     for event in range(4):

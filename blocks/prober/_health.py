@@ -21,7 +21,8 @@ connections and tells the detector:
   answers 200 if it can reach that replica now (a pooled connection, or a
   fresh connect). 200 ends the ejection; anything else leaves it be.
 - a target or replica that was not there the round before (after the
-  first round) joins under slow start (``joined``).
+  first round) joins under slow start (``joined``); one that is no longer
+  there is forgotten (``forget``).
 
 Where another poller already asks every next hop something each interval
 (the proxy's prober and its load poll), the checker sends no second request:
@@ -192,6 +193,8 @@ class HealthChecker:
         if self._seen is not None:
             for member in members - self._seen:
                 detector.joined(member, now)
+            for member in self._seen - members:
+                detector.forget(member)  # (held out by its checks, it would keep selection off its fast path)
         self._seen = members
         for address in [address for address in self._last if address not in targets]:
             del self._last[address]  # no longer listed

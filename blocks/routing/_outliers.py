@@ -275,6 +275,15 @@ class OutlierDetector:
         if self.config.slow_start_window > 0 and key not in self._until:
             self._ramp[key] = now
 
+    def forget(self, key: Member) -> None:
+        """``key`` left the pool (the health checker no longer lists it): drop everything kept about it,
+        so a member held out by its checks does not keep :meth:`selectable` off its fast path."""
+        self._until.pop(key, None)
+        self._ramp.pop(key, None)
+        self._failures.pop(key, None)
+        if isinstance(key, str):
+            self._credit.pop(key, None)
+
     def ejected(self, replica: Replica, now: float) -> bool:
         """True while ``replica``'s ejection lasts (whether or not the panic rule keeps it in)."""
         until = self._until.get(replica.name)
