@@ -65,13 +65,23 @@ from blocks.errors import (
     error_field,
     parse_error_field,
 )
-from blocks.fields import ERROR_HEADER
-from blocks.http import SAFE_METHODS, Body, Headers, Request, Response, StreamBody, abandon, error_response
+from blocks.fields import ERROR_HEADER, HEALTH_PATH, PROBE_HEADER
+from blocks.http import (
+    SAFE_METHODS,
+    Body,
+    Headers,
+    Request,
+    Response,
+    StreamBody,
+    abandon,
+    error_response,
+    text_response,
+)
 from blocks.routing import format_address
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
 from blocks.transport import Address
-from blocks.transport.listener import ListenerConfig
+from blocks.transport.listener import HTTPServer, ListenerConfig
 from blocks.transport.multiplexer import Upstreams
 from blocks.transport.streams import H2Driver, H2Stream, TappedBody, Tee, tap_splice
 
@@ -354,6 +364,8 @@ class Hop:
     """True if :meth:`retry` may send a failed request elsewhere (the proxy's)."""
     tenant_key: TenantKey | None = None
     """How this hop names a request's tenant, if it knows tenants (the proxy's); what its access log reads."""
+    server: HTTPServer | None = None
+    """The listener serving this hop (its ``serve_*`` sets it): its health answer is 503 once that drains."""
 
     def __init__(
         self,
@@ -371,7 +383,8 @@ class Hop:
         self.admission = admission
         self.clock = clock
         stack = self.features
-        self._screens = [f.screen for f in stack if _overrides(f, "screen")]
+        # First on every hop: the health check (blocks.fields.HEALTH_PATH), answered by the hop itself.
+        self._screens = [self._health_screen, *(f.screen for f in stack if _overrides(f, "screen"))]
         self._routes = [f.route for f in stack if _overrides(f, "route")]
         self._responses = [f.response for f in stack if _overrides(f, "response")]
         self._answered = [f.answered for f in stack if _overrides(f, "answered")]
@@ -382,6 +395,24 @@ class Hop:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {[type(f).__name__ for f in self.features]}>"
+
+    @property
+    def draining(self) -> bool:
+        """True once the listener serving this hop (:attr:`server`) drains."""
+        server = self.server
+        return server is not None and server.draining
+
+    def _health_screen(self, exchange: Exchange) -> None:
+        request = exchange.request
+        if request.path == HEALTH_PATH and request.header(PROBE_HEADER) is not None:
+            exchange.answer = self.health
+
+    async def health(self, exchange: Exchange) -> Response:
+        """The answer to a health check (``GET /.proxyblocks/health`` with ``x-proxyblocks-probe``):
+        200 while this hop serves, 503 once it drains. The worker's also checks a replica it names."""
+        if self.draining:
+            return text_response(503, "draining\n")
+        return text_response(200, "ok\n")
 
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """An error came back (``status``, ``headers``) for a request nothing of which was sent on: where
