@@ -61,9 +61,9 @@ from blocks.errors import REASONS, RETRYABLE_REASONS
 from blocks.fields import ERROR_HEADER
 from blocks.hops.edge import next_hop, own_error
 from blocks.observe import RequestIds, served_hop
-from blocks.routing import LeastInFlight, OutlierDetector
+from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector
 from blocks.timing import parse_server_timing
-from blocks.topology import App
+from blocks.topology import App, ChainPlan
 
 PROXIES = ("proxy-1", "proxy-2")
 
@@ -158,14 +158,17 @@ async def test_a_dead_proxy_is_ejected_and_its_requests_go_to_the_live_one(nurse
             apps = {"held": App(("held.test",), {"held": local}), "demo": App(("*",), {"echo": echo})}
             chain.route(apps, worker=(HOST, server.port))
             await chain.start_proxy(config=ProxyConfig(name="proxy-2"))
-            await chain.start_edge(proxies=[dead, (HOST, chain.proxy_server.port)])
 
         chain: Chain = await nursery.start(serve_chain, build)
-        edge = edge_of(chain.edge)
+        # No health checks or slow start: proxy-1's ejection ends by its time, and the next request
+        # (fewer in flight there) tries it again.
+        once = OutlierConfig(slow_start_window=0.0)
+        config = EdgeConfig(proxies=[dead, (HOST, chain.proxy_server.port)], health=None, outliers=once)
+        edge_server = await chain.start(functools.partial(serve_edge, config, host=HOST))
+        edge = edge_of(edge_server)
         outliers = edge.to_proxy.outliers
         assert outliers is not None
-        proxy_1 = edge.to_proxy.next_hops()[0]
-        async with RawH2Client.open(chain.port) as client:
+        async with RawH2Client.open(edge_server.port) as client:
             # One request held at proxy-2 (retried there if it went to proxy-1 first), then a
             # second: if proxy-1 is not ejected yet, it has fewer in flight, so it is picked.
             hold = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"held.test"), (b":path", b"/hold")]
@@ -175,12 +178,13 @@ async def test_a_dead_proxy_is_ejected_and_its_requests_go_to_the_live_one(nurse
             assert result.status == 200, result
             assert result.body == b"hello from echo\n"
             assert edge.retried == 1
-            assert outliers.statistics().by_replica == {"proxy-1": 1}
+            assert outliers.statistics().ejections == 1
+            assert list(outliers.statistics().hops) == [dead]
             assert edge.to_proxy.in_flight == {"proxy-1": 0, "proxy-2": 1}
 
             # Once proxy-1 is back in selection, an upload whose body comes after its head goes
             # to it (fewer in flight) and on to proxy-2, and streams through.
-            await wait_for(lambda: not outliers.ejected(proxy_1, trio.current_time()), "proxy-1 back in selection")
+            await wait_for(lambda: not outliers.out(dead, trio.current_time()), "proxy-1 back in selection")
             sid = await client.start(client.head(b"POST", b"/echo"), end_stream=False)
             head = await client.next_event(sid)
             assert isinstance(head, h2.events.ResponseReceived), head
@@ -193,7 +197,7 @@ async def test_a_dead_proxy_is_ejected_and_its_requests_go_to_the_live_one(nurse
             echoed = await client.collect(sid)
             assert echoed.body == b"".join(chunks)
             assert echoed.reset is None and not echoed.connection_lost
-            assert outliers.statistics().by_replica == {"proxy-1": 2}
+            assert outliers.statistics().ejections == 2
 
             # proxy-1 is out: the next requests go straight to proxy-2.
             for _ in range(5):
@@ -399,8 +403,9 @@ async def test_a_stopped_worker_costs_no_request(nursery: trio.Nursery) -> None:
             assert "worker-1" in hops and "worker-2" not in hops, hops
     assert proxy.statistics().retried >= 1
     assert proxy.outliers is not None
-    ejected = proxy.outliers.statistics().by_replica
-    assert ejected and set(ejected) <= {"replica-0@worker-2", "replica-1@worker-2"}, ejected
+    # The stopped worker is ejected, not the replicas behind it (they did nothing wrong).
+    assert list(proxy.outliers.statistics().hops) == [gone]
+    assert proxy.outliers.statistics().by_replica == {}
     assert set(proxy.statistics().in_flight.values()) == {0}
     assert edge_of(chain.edge).retried == 0
 
@@ -623,3 +628,26 @@ async def test_the_edge_s_own_error_answer_carries_the_request_ids(nursery: trio
         assert response.headers["proxyblocks-error"].startswith("next_hop_unreachable; hop=edge; next=proxy-1 (")
         assert response.headers["x-request-id"] == "abc-123"
         assert response.headers["traceparent"].startswith("00-")
+
+
+async def test_the_edge_checks_its_proxies_ejecting_a_dead_one_and_taking_it_back_when_it_answers(
+    nursery: trio.Nursery,
+) -> None:
+    # With no request in between, the edge's health checks take a stopped proxy out, and put it
+    # back (slow start) once a proxy listens on its address again.
+    with trio.fail_after(30):
+        chain: Chain = await nursery.start(serve_chain, ChainPlan(proxies=2, replicas=1, scheduler=None).build)
+        edge = edge_of(chain.edge)
+        outliers = edge.to_proxy.outliers
+        assert outliers is not None
+        server, _ = chain.proxies[1]
+        address = (HOST, server.port)
+        await server.aclose(1.0)
+        await wait_for(lambda: outliers.out(address, trio.current_time()), "the stopped proxy-2 taken out")
+        assert edge.retried == 0  # no request found it dead
+        await chain.start_proxy(port=address[1], config=ProxyConfig(name="proxy-2"))
+        await wait_for(lambda: not outliers.out(address, trio.current_time()), "proxy-2 back")
+        assert address in outliers.statistics().ramping  # it comes back under slow start
+        async with h2_client() as client:
+            for _ in range(10):
+                assert (await client.get(chain.url + "/")).status_code == 200

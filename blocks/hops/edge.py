@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ssl
 from collections.abc import Callable, Sequence
 
@@ -12,7 +14,8 @@ from blocks.errors import RETRYABLE_REASONS, NoRoute, parse_error_field
 from blocks.fields import ERROR_HEADER, INTERNAL_PREFIX
 from blocks.hops._hop import Exchange, Feature, Forward, Hop, hop_listener
 from blocks.http import Headers, Request, strip_hop_by_hop
-from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Replica
+from blocks.prober import HealthConfig, open_health_checker
+from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Replica, RetryBudget, RetryBudgetConfig
 from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
@@ -95,7 +98,11 @@ class EdgeConfig:
     a route store (:func:`serve_edge`'s ``next_hops``). ``proxy``: one proxy, the same as
     ``proxies=(proxy,)``. ``trust_forwarded``: keep the client's own
     ``x-forwarded-*`` fields (only behind another trusted hop).
-    ``outliers``: when a proxy is taken out of selection (None: never).
+    ``outliers``: when a proxy is taken out of selection (None: never);
+    ``health``: the active checks that eject a proxy before requests find it
+    dead and end an ejection as soon as it answers again (None: none;
+    needs ``outliers``); ``retry_budget``: what :meth:`Edge.retry` may spend
+    (None: every request that reached no proxy is retried, once).
     """
 
     proxies: tuple[Address, ...] = attrs.field(default=(), converter=_addresses)
@@ -103,6 +110,8 @@ class EdgeConfig:
     name: str = "edge"
     trust_forwarded: bool = False
     outliers: OutlierConfig | None = NEXT_HOP_OUTLIERS
+    health: HealthConfig | None = attrs.field(factory=HealthConfig)
+    retry_budget: RetryBudgetConfig | None = attrs.field(factory=RetryBudgetConfig)
 
     def __attrs_post_init__(self) -> None:
         if self.proxy is not None:
@@ -121,7 +130,10 @@ class ToProxy(Feature):
     ``next_hops`` gives the proxies to choose from (the config's, or those a
     route store names: see :class:`~blocks.topology.Chain`); ``exchange.picked``
     is the one picked. dispatched / closed: the requests in flight per proxy
-    (``in_flight``, by name), which the pick reads. One proxy costs no pick.
+    (``in_flight``, by name), which the pick reads. response: the edge's own
+    failures with a proxy, and its successes, go to ``outliers`` by the
+    proxy's address (where the health checks report too), a reset that cuts
+    many streams counting once. One proxy costs no pick.
     """
 
     def __init__(self, config: EdgeConfig, next_hops: Callable[[], Sequence[Replica]] | None = None) -> None:
@@ -135,8 +147,11 @@ class ToProxy(Feature):
         self.outliers = OutlierDetector(config.outliers) if config.outliers is not None else None
         self.in_flight: dict[str, int] = {}
         self.policy = LeastInFlight()
+        self.budget = RetryBudget(config.retry_budget) if config.retry_budget is not None else None
 
     def route(self, exchange: Exchange) -> Forward:
+        if self.budget is not None:
+            self.budget.requests += 1
         candidates = self.next_hops()
         if not candidates:
             raise NoRoute("the edge knows no proxy", error_reason="no_next_hop")
@@ -179,7 +194,7 @@ class ToProxy(Feature):
             if reason is not None:  # the edge's own failure with this proxy, not one the proxy passed on
                 ok = False
                 unreachable = reason in RETRYABLE_REASONS
-        outliers.record(picked, ok, exchange.hop.clock(), unreachable=unreachable)
+        outliers.record_hop(picked.worker, ok, exchange.hop.clock(), unreachable=unreachable)
 
     def alternative(self, exchange: Exchange, failed: Replica) -> Replica | None:
         """Another proxy than ``failed``, least in flight among those not ejected; None if none."""
@@ -223,6 +238,7 @@ class Edge(Hop):
         super().__init__(config.name, upstreams, [*features, self.to_proxy])
         self.config = config
         self.retried = 0
+        self.retries_refused = 0
 
     def upstream_headers(self, request: Request) -> Headers:
         """The request's fields as the proxy will see them (:func:`forwarded_headers`)."""
@@ -247,6 +263,10 @@ class Edge(Hop):
         exchange.retried = True
         hop = self.to_proxy.alternative(exchange, failed)
         if hop is None:
+            return None
+        budget = self.to_proxy.budget
+        if budget is not None and not budget.try_retry(self.clock()):
+            self.retries_refused += 1
             return None
         exchange.failed(status, headers)
         exchange.undispatch()
@@ -273,9 +293,18 @@ async def serve_edge(
     ``next_hops``, if given, is where the edge reads its proxies on every
     request (a route store's, see :func:`proxies_in`), instead of ``config.proxies``.
     """
-    async with open_upstreams(upstream) as upstreams:
+    async with contextlib.AsyncExitStack() as stack:
+        upstreams = await stack.enter_async_context(open_upstreams(upstream))
         edge = Edge(config, upstreams, features=features, next_hops=next_hops)
-        await serve_http(
+        detector = edge.to_proxy.outliers
+        if config.health is not None and detector is not None:
+            proxies = edge.to_proxy.next_hops
+            await stack.enter_async_context(
+                open_health_checker(upstreams, lambda: [hop.worker for hop in proxies()], detector, config.health)
+            )
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        serve = functools.partial(
+            serve_http,
             edge.handle,
             host=host,
             port=port,
@@ -283,5 +312,6 @@ async def serve_edge(
             config=hop_listener(listener, edge),
             relay=edge.relay,
             upstreams=upstreams,
-            task_status=task_status,
         )
+        edge.server = await nursery.start(serve)
+        task_status.started(edge.server)
