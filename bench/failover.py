@@ -99,6 +99,8 @@ async def run(codec: str | None, rate: float, outage: float, settle: float) -> b
                 f"  recovery {recovery:6.3f} s  {'ok' if good else 'FAIL'}  {dict(reasons)}"
             )
             print(rows[-1], flush=True)
+            for o in (failed + after)[:3]:
+                print(f"    failed {o.start - fault:+.3f} s after the kill: {o.status} {o.error}", flush=True)
         for part in ("proxy-1", "worker-1"):
             planned = trio.current_time()
             await fleet.stop(part)

@@ -651,3 +651,59 @@ async def test_the_edge_checks_its_proxies_ejecting_a_dead_one_and_taking_it_bac
         async with h2_client() as client:
             for _ in range(10):
                 assert (await client.get(chain.url + "/")).status_code == 200
+
+
+async def _dying_proxy(listeners: list[trio.SocketListener], seen: list[int]) -> None:
+    """An h2 server that answers its connection's first request 200, then, on the second, closes the
+    connection and its listener at once: a proxy killed as a request reached it (kill -9)."""
+    import h2.config
+    import h2.connection
+
+    listener = listeners[0]
+    stream = await listener.accept()
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+    conn.initiate_connection()
+    await stream.send_all(conn.data_to_send())
+    while True:
+        data = await stream.receive_some()
+        assert data, "the edge closed its connection first"
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                seen.append(event.stream_id)
+                if len(seen) == 2:
+                    await listener.aclose()  # no reconnect: the port is closed
+                    await stream.aclose()
+                    return
+                conn.send_headers(event.stream_id, [(b":status", b"200"), (b"x-served-by", b"dying")], end_stream=True)
+        await stream.send_all(conn.data_to_send())
+
+
+async def test_a_request_cut_as_its_proxy_dies_goes_to_another_when_the_first_cannot_be_reached(
+    nursery: trio.Nursery,
+) -> None:
+    # The edge's pool resends a safe request its proxy's connection cut before any answer; when that
+    # proxy cannot be reached either (it died), the edge sends the request to another proxy.
+    with trio.fail_after(20):
+        listeners = await trio.open_tcp_listeners(0, host=HOST)
+        dying = listeners[0].socket.getsockname()[:2]
+        seen: list[int] = []
+        nursery.start_soon(_dying_proxy, listeners, seen)
+
+        async def build(chain: Chain) -> None:
+            local = {"replica-0": await chain.start_replica("replica-0")}
+            server, _ = await chain.start_worker(local, app=None)
+            chain.route({"demo": App(("*",), local)}, worker=(HOST, server.port))
+            await chain.start_proxy(config=ProxyConfig(name="proxy-2"))
+
+        chain: Chain = await nursery.start(serve_chain, build)
+        config = EdgeConfig(proxies=[dying, (HOST, chain.proxy_server.port)], health=None)
+        edge_server = await chain.start(functools.partial(serve_edge, config, host=HOST))
+        edge = edge_of(edge_server)
+        async with RawH2Client.open(edge_server.port) as client:
+            served = collections.Counter[bytes]()
+            while len(seen) < 2:  # ties go either way: until the dying proxy got its second request
+                result = await client.request(client.head(b"GET", b"/"))
+                assert result.status == 200, result
+                served[result.header(b"x-served-by") or b"proxy-2"] += 1
+        assert served[b"dying"] == 1  # its first, answered; its second was cut and went to proxy-2
+        assert edge.retried == 1

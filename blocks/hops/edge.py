@@ -297,7 +297,8 @@ async def serve_edge(
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
         edge = Edge(config, upstreams, features=features, next_hops=next_hops)
         detector = edge.to_proxy.outliers
-        if config.health is not None and detector is not None:
+        if config.health is not None and detector is not None and (next_hops is not None or len(config.proxies) > 1):
+            # (one proxy and no other to send to: nothing a check could change)
             proxies = edge.to_proxy.next_hops
             await stack.enter_async_context(
                 open_health_checker(upstreams, lambda: [hop.worker for hop in proxies()], detector, config.health)

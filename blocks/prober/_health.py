@@ -65,16 +65,16 @@ class HealthConfig:
     """How often the health checker checks, and how long a check may take. Seconds.
 
     - ``interval``: one check of every target (and every ejected replica)
-      per interval, all at once (1 s): an ejected member that answers again
-      is back within about one interval.
-    - ``timeout``: the most one check may take, connect included (0.5 s);
+      per interval, all at once (0.5 s): an ejected member that answers again
+      is back within one interval.
+    - ``timeout``: the most one check may take, connect included (0.25 s);
       at most ``interval``, so rounds never overlap. Past it the check failed.
     - ``replicas``: whether ejected replicas are checked through their
       worker (True).
     """
 
-    interval: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0), finite])
-    timeout: float = attrs.field(default=0.5, validator=[attrs.validators.gt(0), finite, _not_above_interval])
+    interval: float = attrs.field(default=0.5, validator=[attrs.validators.gt(0), finite])
+    timeout: float = attrs.field(default=0.25, validator=[attrs.validators.gt(0), finite, _not_above_interval])
     replicas: bool = True
 
 

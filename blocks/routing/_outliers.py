@@ -368,7 +368,7 @@ class OutlierDetector:
         held = set()
         for i, factor in ramping:
             name = str(keys[i][0])
-            have = credit.get(name, 0.0) + factor / n
+            have = credit.get(name, 1.0) + factor / n  # its first offer at once: traffic finds it back
             if have >= 1.0:
                 credit[name] = have - 1.0
             else:

@@ -154,9 +154,10 @@ class Upstreams:
         if pool is None:
             pool = self._pools[(address, "h2")] = _H2Pool(address, self.config, self._nursery, watch=self._deadlines)
         old = replay.splice
-        up_st = old.response.src_st
-        up_st.splice = None  # its body, if any comes, is dropped with the stream
-        old.up.reset(up_st)
+        if not replay.elsewhere:  # (else its stream and connection are gone: the pool could not reach them)
+            up_st = old.response.src_st
+            up_st.splice = None  # its body, if any comes, is dropped with the stream
+            old.up.reset(up_st)
         replay.headers = headers
         replay.park()
         self._nursery.start_soon(pool.resplice, replay, old.up)
@@ -165,7 +166,7 @@ class Upstreams:
     def can_resplice(self, down_st: H2Stream) -> bool:
         """True while :meth:`resplice` would take ``down_st``'s request: none of its body went up."""
         replay: object = down_st.splice
-        return type(replay) is _Replay and replay.events is None and not replay.splice.closed
+        return type(replay) is _Replay and (replay.events is None or replay.elsewhere) and not replay.splice.closed
 
     def sink(self, address: Address, request: Request, headers: Headers, sink: Sink, *, protocol: str = "h2") -> bool:
         """Send a body-less ``request`` to ``address`` now, its response to ``sink``; no task.

@@ -59,7 +59,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from blocks._sync import Signal
-from blocks.errors import StreamReset, UpstreamProtocolError
+from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError
+from blocks.fields import ERROR_HEADER
 from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked
 from blocks.transport._splice import Splice
 
@@ -154,7 +155,7 @@ class _Replay:
     :meth:`give_up` answers the error.
     """
 
-    __slots__ = ("events", "headers", "origin", "request_ended", "splice")
+    __slots__ = ("elsewhere", "events", "headers", "origin", "request_ended", "splice")
 
     def __init__(self, splice: Splice, origin: Request, headers: Headers, ended: bool) -> None:
         self.splice = splice
@@ -162,6 +163,7 @@ class _Replay:
         self.headers = headers
         self.request_ended = ended  # the request ended without a body byte
         self.events: list[tuple[bytes | None, int, bool, Headers | None]] | None = None
+        self.elsewhere = False  # parked, and offered to the hop to send elsewhere (give_up)
         # Duck-typed: the drivers only call the four methods below.
         splice.down_st.splice = self  # type: ignore[assignment]
 
@@ -213,7 +215,8 @@ class _Replay:
         return getattr(self.splice, name)
 
     def park(self) -> None:
-        self.events = []
+        if self.events is None:  # (parked already: what it kept stays)
+            self.events = []
 
     def _release(self) -> None:
         """Acknowledge whatever was kept while parked: it will never be relayed."""
@@ -256,7 +259,27 @@ class _Replay:
         return st
 
     def give_up(self, error: BaseException) -> None:
-        """Answer the downstream stream with ``error``'s status (as a splice does)."""
+        """Answer the downstream stream with ``error``'s status (as a splice does).
+
+        When the pool could not reach its upstream again (a connect that
+        failed), the hop in front may still send the request elsewhere: its
+        head filter hears the error while the stream stays parked, and
+        either sends it on (:meth:`Upstreams.resplice` takes it as it is: the
+        filter returns None) or makes the error head that is answered.
+        """
+        splice = self.splice
+        filtered: Headers | None = None
+        if isinstance(error, UpstreamConnectError) and splice.head_filter is not None and not splice.closed:
+            self.elsewhere = True
+            try:
+                filtered = splice.head_filter(error.status, [(ERROR_HEADER, error.error_reason.encode())])
+            finally:
+                self.elsewhere = False
+            if filtered is None:
+                return  # sent elsewhere
         self._release()
         self._detach()
-        self.splice.failed(self.splice.up, error)
+        if filtered is not None:
+            splice.fail_with(error, filtered)
+        else:
+            splice.failed(splice.up, error)
