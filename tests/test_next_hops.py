@@ -563,8 +563,9 @@ def test_the_proxys_retry_leaves_the_failed_worker_or_the_failed_server(
     exchange = Exchange(proxy, Request(b"GET", b"http", b"a.test", b"/", []))
     proxy.screen(exchange)
     exchange.dispatch(proxy.router.forward(exchange, failed))
-    if worker_failed:  # the proxy's own failure to connect to the worker
-        field = f"next_hop_unreachable; hop=proxy; next=127.0.0.1:{failed.worker[1]}"
+    if worker_failed:  # the proxy's own failure with the worker: named, or as its pool reports it
+        named = f"next_hop_unreachable; hop=proxy; next=127.0.0.1:{failed.worker[1]}"
+        field = data.draw(st.sampled_from([named, "replica_unreachable", "replica_refused", "upstream_reset"]))
     else:  # the worker's answer
         field = f"replica_unreachable; hop=worker; replica={failed.name} (127.0.0.1:{failed.address[1]})"
     forward = proxy.retry(exchange, 502, [(ERROR_HEADER, field.encode())])

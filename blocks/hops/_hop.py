@@ -652,6 +652,16 @@ def _unread(body: Body) -> bool:
     return body.ended or (type(body) is StreamBody and not body.claimed)
 
 
+def own_error(headers: Headers, hop: str) -> bytes | None:
+    """The reason of ``hop``'s own error in a response head (its ``proxyblocks-error`` names no hop,
+    or ``hop``), or None: no error field, or one a hop behind it answered."""
+    for name, value in headers:
+        if name == ERROR_HEADER:
+            reason, at = parse_error_field(value)
+            return reason if not at or at == hop.encode() else None
+    return None
+
+
 # An internal hop's peer is a hop: its connection carries many clients' streams,
 # their resets and their window updates, so the per-client abuse limits are off.
 def hop_listener(listener: ListenerConfig | None, hop: Hop) -> ListenerConfig:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from blocks.errors import RETRYABLE_REASONS, NoRoute, parse_error_field
-from blocks.fields import ERROR_HEADER, INTERNAL_PREFIX
-from blocks.hops._hop import Exchange, Feature, Forward, Hop, hop_listener
+from blocks.errors import RETRYABLE_REASONS, NoRoute
+from blocks.fields import INTERNAL_PREFIX
+from blocks.hops._hop import Exchange, Feature, Forward, Hop, hop_listener, own_error
 from blocks.http import Headers, Request, strip_hop_by_hop
 from blocks.prober import HealthConfig, open_health_checker
 from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Replica, RetryBudget, RetryBudgetConfig
@@ -30,16 +30,6 @@ def next_hop(name: str, address: Address) -> Replica:
     upstream (``worker``) and ``address`` are both ``address``, so that policies and outlier
     detection serve for hops as they do for replicas."""
     return Replica(name=name, worker=address, address=address)
-
-
-def own_error(headers: Headers, hop: str) -> bytes | None:
-    """The reason of ``hop``'s own error in a response head (its ``proxyblocks-error`` names no hop,
-    or ``hop``), or None: no error field, or one a hop behind it answered."""
-    for name, value in headers:
-        if name == ERROR_HEADER:
-            reason, at = parse_error_field(value)
-            return reason if not at or at == hop.encode() else None
-    return None
 
 
 _FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})

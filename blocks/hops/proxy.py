@@ -22,7 +22,7 @@ from blocks.fields import (
     SESSIONS_PATH,
     TARGET_HEADER,
 )
-from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener
+from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener, own_error
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
 from blocks.prober import (
@@ -459,7 +459,7 @@ class Proxy(Hop):
         if reason is None:
             return None
         exchange.retried = True
-        worker_failed = reason.startswith(b"next_hop") or reason == b"upstream_reset"
+        worker_failed = own_error(headers, self.name) is not None  # (the proxy's own: its link to the worker)
         replica = self.router.alternative(exchange, failed, other_worker=worker_failed)
         if replica is None:
             return None
