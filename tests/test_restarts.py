@@ -1,0 +1,193 @@
+"""Restarts of ``--processes N``: a planned one loses nothing, a crash only what was on the process.
+
+Every case runs ``python -m recipes.chain --processes 2`` as docs/scale.md
+says, with real processes, real sockets on 127.0.0.1 (port 0) and real
+clients: h2load (a bounded ``-n`` per run, runs back to back while the
+restart goes on) on long-lived h2 connections, and httpx on a new
+connection per request (so the kernel picks a process for each). Cases
+wait for printed lines and counts, each bounded by ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+import trio
+from support import Lines, start_recipe
+from test_processes import PROCESSES, _alive, stop
+
+RESTARTED = r"^restarted: process (\d) pid (\d+) -> (\d+)$"
+
+
+@attrs.define
+class Load:
+    """What a client loop saw: each request's start, end (``trio.current_time()``) and outcome."""
+
+    ok: int = 0
+    failed: list[tuple[float, float, str]] = attrs.Factory(list)
+    started: list[float] = attrs.Factory(list)
+
+
+async def fresh_connections(url: str, load: Load, stop: trio.Event, path: str = "/") -> None:
+    """Requests on a new connection each, one after another, until ``stop`` is set."""
+    while not stop.is_set():
+        began = trio.current_time()
+        load.started.append(began)
+        try:
+            async with httpx.AsyncClient(trust_env=False, timeout=20) as client:
+                response = await client.get(f"{url}{path}")
+            outcome = None if response.status_code == 200 else f"status {response.status_code}"
+        except httpx.HTTPError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        if outcome is None:
+            load.ok += 1
+        else:
+            load.failed.append((began, trio.current_time(), outcome))
+
+
+H2LOAD = re.compile(r"requests: (\d+) total, (\d+) started, \d+ done, (\d+) succeeded")
+
+
+async def h2load_runs(url: str, load: Load, stop: trio.Event) -> None:
+    """h2load runs (``-n 400 -c 2 -m 4``: 2 h2 connections, 4 streams each) back to back until ``stop``.
+
+    h2load does not open a new connection for one that a GOAWAY ended: the requests it had left
+    for that connection are never sent, and it counts them failed. What counts here is what it
+    sent: every request started must have succeeded with a 2xx.
+    """
+    while not stop.is_set():
+        began = trio.current_time()
+        result = await trio.run_process(
+            ["h2load", "-n", "400", "-c", "2", "-m", "4", f"{url}/"], capture_stdout=True, check=False
+        )
+        text = result.stdout.decode()
+        found = H2LOAD.search(text)
+        assert found is not None, text
+        _, started, succeeded = map(int, found.groups())
+        load.ok += succeeded
+        if succeeded != started or f"status codes: {succeeded} 2xx" not in text:
+            load.failed.append((began, trio.current_time(), text[text.index("requests:") :]))
+
+
+needs_h2load = pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load is not installed")
+
+
+@needs_h2load
+async def test_a_rolling_restart_under_load_fails_no_request() -> None:
+    """SIGUSR2 to the parent: each process is replaced in turn (the replacement serves, then the old
+    one drains) while h2load and a loop of new connections run: not one request fails, and every
+    process's pid changed."""
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2")
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            before = (await lines.next(PROCESSES)).groups()[:2]
+            done = trio.Event()
+            h1, h2 = Load(), Load()
+            async with trio.open_nursery() as clients:
+                clients.start_soon(fresh_connections, url, h1, done)
+                clients.start_soon(fresh_connections, url, h1, done)
+                clients.start_soon(h2load_runs, url, h2, done)
+                while h1.ok < 20 or h2.ok < 400:  # the load is on
+                    await trio.sleep(0.05)
+                process.send_signal(signal.SIGUSR2)
+                restarted = [(await lines.next(RESTARTED)).groups() for _ in range(2)]
+                after = (await lines.next(PROCESSES)).groups()[:2]
+                served = h1.ok, h2.ok
+                while h1.ok < served[0] + 20 or h2.ok < served[1] + 400:  # and it goes on after
+                    await trio.sleep(0.05)
+                done.set()
+            assert [row[:2] for row in restarted] == [("0", before[0]), ("1", before[1])]
+            assert after == (restarted[0][2], restarted[1][2])
+            assert not set(after) & set(before)
+            assert h1.failed == [] and h2.failed == []
+            await stop(process, lines)
+    assert not any(_alive(int(pid)) for pid in (*before, *after))
+
+
+async def test_a_killed_process_loses_only_its_requests_in_flight() -> None:
+    """``kill -9`` of one process: the requests that fail are among those in flight when it died
+    (none started after it), and once it is started again both processes serve."""
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2")
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            first, second = (await lines.next(PROCESSES)).groups()[:2]
+            done = trio.Event()
+            load = Load()
+            async with trio.open_nursery() as clients:
+                for _ in range(4):
+                    clients.start_soon(fresh_connections, url, load, done, "/sleep?ms=100")
+                while load.ok < 20:
+                    await trio.sleep(0.05)
+                killed_at = trio.current_time()
+                in_flight = len(load.started) - load.ok - len(load.failed)
+                os.kill(int(first), signal.SIGKILL)
+                while _alive(int(first)):
+                    await trio.sleep(0.01)
+                dead_at = trio.current_time()
+                again = (await lines.next(PROCESSES)).groups()[:2]
+                served = load.ok
+                while load.ok < served + 40:
+                    await trio.sleep(0.05)
+                done.set()
+            assert again[0] not in (first, second) and again[1] == second
+            assert len(load.failed) <= in_flight, load.failed
+            assert all(began <= dead_at for began, _, _ in load.failed), (killed_at, dead_at, load.failed)
+            await stop(process, lines)
+
+
+async def test_restarting_one_process_and_a_restart_that_fails(tmp_path: Path) -> None:
+    """SIGUSR2 to one process restarts that one only. A replacement that cannot start (its config
+    file now names a route file that is not there) is one line, and the old process serves on."""
+    config = tmp_path / "chain.toml"
+    routes = tmp_path / "routes.toml"
+    routes.write_text("[domains]\n")
+    config.write_text('routes = "routes.toml"\n')
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery, "--processes", "2", "--config", str(config))
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            first, second = (await lines.next(PROCESSES)).groups()[:2]
+            os.kill(int(second), signal.SIGUSR2)
+            assert (await lines.next(RESTARTED)).groups()[:2] == ("1", second)
+            now = (await lines.next(PROCESSES)).groups()[:2]
+            assert now[0] == first and now[1] != second
+            routes.unlink()
+            process.send_signal(signal.SIGUSR2)
+            assert process.stderr is not None
+            said = (await Lines(process.stderr).until(r"^proxyblocks: restart failed: .*$")).group(0)
+            assert said.startswith("proxyblocks: restart failed: process 0 (pid ")
+            assert said.endswith(f"; pid {first} serves on") and "routes.toml" in said, said
+            assert (await lines.next(PROCESSES)).groups()[:2] == now  # the roll stopped at the failure
+            for _ in range(6):
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    assert (await client.get(f"{url}/")).status_code == 200
+            assert "restarted" not in lines.text[lines.seen :]
+            await stop(process, lines)
+
+
+async def test_sigusr2_to_one_process_alone_is_one_line() -> None:
+    """Without ``--processes``, SIGUSR2 restarts nothing (no other process would take the traffic):
+    one line says so, and the command serves on."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process, lines = await start_recipe(nursery)
+            url = (await lines.until(r"^edge listening on (\S+)$")).group(1)
+            await lines.until(r"^replica replica-1 listening")
+            process.send_signal(signal.SIGUSR2)
+            assert process.stderr is not None
+            said = (await Lines(process.stderr).until(r"^proxyblocks: SIGUSR2 .*$")).group(0)
+            assert said == "proxyblocks: SIGUSR2 restarts a process of --processes N; this command runs one: ignored"
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                assert (await client.get(f"{url}/")).status_code == 200
+            process.send_signal(signal.SIGTERM)
+            assert (await lines.rest()).endswith("draining...\nstopped\n")
+            assert await process.wait() == 0
