@@ -30,7 +30,7 @@ import h2.events
 import hyperframe.frame as hf
 import trio
 
-from blocks import ListenerConfig, Request, Response, serve_http, text_response
+from blocks import ListenerConfig, Request, Response, open_upstreams, serve_http, text_response
 
 HOST = "127.0.0.1"
 LAST = 2**31 - 1
@@ -156,3 +156,35 @@ async def test_the_final_goaway_follows_the_ping_ack_and_names_the_race_stream(n
             while await client.frame() is not None:
                 pass
         assert arrivals == [b"/hold", b"/"]
+
+
+async def test_the_pool_in_front_answers_the_ping_and_finishes_its_stream(nursery: trio.Nursery) -> None:
+    """The hop in front of a draining hop is proxyblocks' own pool (``open_upstreams``, what every
+    hop sends with): its stream in flight across the GOAWAY and the PING finishes (200, whole), and
+    the connection ends once that stream is done, not ``drain_goaway_delay`` later (set far beyond
+    the test's bound)."""
+    held, release = trio.Event(), trio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.path == b"/hold":
+            held.set()
+            await release.wait()
+        return text_response(200, "ok\n")
+
+    config = ListenerConfig(drain_goaway_delay=3600)
+    with trio.fail_after(10):
+        server = await nursery.start(functools.partial(serve_http, handler, config=config))
+        async with open_upstreams() as upstreams, trio.open_nursery() as inner:
+            answers: list[tuple[int, bytes]] = []
+
+            async def hold() -> None:
+                response = await upstreams.request((HOST, server.port), Request(b"GET", b"http", b"x", b"/hold"), [])
+                answers.append((response.status, await response.body.read_all()))
+
+            inner.start_soon(hold)
+            await held.wait()
+            server.drain()
+            release.set()
+        assert answers == [(200, b"ok\n")]
+        while server.statistics().connections:  # (closed once its last stream was done)
+            await trio.sleep(0.01)
