@@ -404,9 +404,10 @@ class Supervisor:
             child.process, child.serving, child.code = None, False, process.returncode
             self._running.discard(child)
             self._holders[index] -= 1
-            if not self._holders[index] and not child.retired:
-                # A crash, or a start that failed: what waits in the queue was this process's, and new
-                # connections go to the other slots until the next start opens a socket again.
+            if not self._holders[index]:
+                # No process accepts on it (a crash, a start that failed): what waits in its queue was
+                # this process's, and new connections go to the other slots until the next start opens
+                # a socket again. (A planned restart's replacement holds it before the old one stops.)
                 self._drop_socket(index)
             if child.reload_pending:
                 child._reloads[0].send_nowait(f"process {child.index} exited during the reload")
@@ -449,7 +450,7 @@ class Supervisor:
             for slot in range(self.count) if index is None else [index]:
                 if self.stopping or not (done := await self._replace(slot)):
                     break
-            if not self.stopping:
+            if self.started and not self.stopping:
                 print(f"processes: {self.pids()} (sharing {self.host}:{self.port})", flush=True)
             return done
 

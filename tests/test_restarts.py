@@ -10,10 +10,12 @@ wait for printed lines and counts, each bounded by ``trio.fail_after``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import signal
+import socket
 from pathlib import Path
 
 import attrs
@@ -22,6 +24,9 @@ import pytest
 import trio
 from support import Lines, start_recipe
 from test_processes import PROCESSES, _alive, stop
+
+from blocks import HTTPServer, ListenerConfig, Request, Response, serve_http, text_response
+from blocks.transport.listener import inherit_listener
 
 RESTARTED = r"^restarted: process (\d) pid (\d+) -> (\d+)$"
 
@@ -145,8 +150,9 @@ async def test_a_killed_process_loses_only_its_requests_in_flight() -> None:
 
 
 async def test_restarting_one_process_and_a_restart_that_fails(tmp_path: Path) -> None:
-    """SIGUSR2 to one process restarts that one only. A replacement that cannot start (its config
-    file now names a route file that is not there) is one line, and the old process serves on."""
+    """SIGUSR2 to one process restarts that one only. A replacement that cannot start (the config
+    file, read anew by each new process, now names a route file that is not there) is one line, and
+    the old process serves on."""
     config = tmp_path / "chain.toml"
     routes = tmp_path / "routes.toml"
     routes.write_text("[domains]\n")
@@ -160,12 +166,12 @@ async def test_restarting_one_process_and_a_restart_that_fails(tmp_path: Path) -
             assert (await lines.next(RESTARTED)).groups()[:2] == ("1", second)
             now = (await lines.next(PROCESSES)).groups()[:2]
             assert now[0] == first and now[1] != second
-            routes.unlink()
+            config.write_text('routes = "missing.toml"\n')  # (the processes serving keep theirs)
             process.send_signal(signal.SIGUSR2)
             assert process.stderr is not None
             said = (await Lines(process.stderr).until(r"^proxyblocks: restart failed: .*$")).group(0)
             assert said.startswith("proxyblocks: restart failed: process 0 (pid ")
-            assert said.endswith(f"; pid {first} serves on") and "routes.toml" in said, said
+            assert said.endswith(f"; pid {first} serves on") and "missing.toml" in said, said
             assert (await lines.next(PROCESSES)).groups()[:2] == now  # the roll stopped at the failure
             for _ in range(6):
                 async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
@@ -191,3 +197,40 @@ async def test_sigusr2_to_one_process_alone_is_one_line() -> None:
             process.send_signal(signal.SIGTERM)
             assert (await lines.rest()).endswith("draining...\nstopped\n")
             assert await process.wait() == 0
+
+
+async def test_connections_queued_on_a_shared_socket_wait_for_the_next_listener(nursery: trio.Nursery) -> None:
+    """The mechanism under a planned restart, in one process: a listening socket held elsewhere (here
+    by the test, as the parent holds each child's) and handed to a listener with ``inherit_listener``.
+    The listener drains and stops accepting; the socket stays open, connections queue on it, and
+    the next listener given the socket answers every one of them: none is reset or refused."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    held.bind(("127.0.0.1", 0))
+    held.listen(64)
+    port = held.getsockname()[1]
+    config = ListenerConfig(reuse_port=True)
+
+    async def hello(request: Request) -> Response:
+        return text_response(200, "hello\n")
+
+    async def ask(stream: trio.SocketStream) -> bytes:
+        async with stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            reply = b""
+            while data := await stream.receive_some():
+                reply += data
+        return reply
+
+    with held, trio.fail_after(20):
+        inherit_listener(held.dup())
+        first: HTTPServer = await nursery.start(functools.partial(serve_http, hello, port=port, config=config))
+        assert (await ask(await trio.open_tcp_stream("127.0.0.1", port))).startswith(b"HTTP/1.1 200")
+        await first.aclose()
+        queued = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(8)]  # no one accepts yet
+        inherit_listener(held.dup())
+        second: HTTPServer = await nursery.start(functools.partial(serve_http, hello, port=port, config=config))
+        replies = [await ask(stream) for stream in queued]
+        assert all(reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"hello\n") for reply in replies)
+        assert second.statistics().accepted == 8
+        await second.aclose()
