@@ -284,3 +284,28 @@ async def test_connections_queued_on_a_shared_socket_wait_for_the_next_listener(
         assert all(reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"hello\n") for reply in replies)
         assert second.statistics().accepted == 8
         await second.aclose()
+
+
+async def test_a_draining_listener_answers_what_waits_in_its_queue(nursery: trio.Nursery) -> None:
+    """Closing a listening socket resets the connections in its accept queue: the drain accepts them
+    first, and answers each one's request with ``connection: close``. The connections here are made
+    and sent on without a checkpoint, so the listener's accept loop cannot take them before the
+    drain does."""
+
+    async def hello(request: Request) -> Response:
+        return text_response(200, "hello\n")
+
+    with trio.fail_after(20):
+        server: HTTPServer = await nursery.start(functools.partial(serve_http, hello))
+        waiting = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(5)]
+        for sock in waiting:
+            sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        server.drain()
+        for sock in waiting:
+            async with trio.SocketStream(trio.socket.from_stdlib_socket(sock)) as stream:
+                reply = b""
+                while data := await stream.receive_some():
+                    reply += data
+            assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" in reply.lower(), reply
+            assert reply.endswith(b"hello\n")
+        assert server.statistics().accepted == 5

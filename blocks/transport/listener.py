@@ -19,7 +19,9 @@ Guarantees:
   stream does can break its connection's other streams.
 - :meth:`HTTPServer.drain` stops accepting, sends h2 clients a GOAWAY and
   h1 clients ``connection: close``, lets requests in flight finish, and
-  cancels what is left at the deadline.
+  cancels what is left at the deadline. A connection accepted is always
+  answered, and what waits in a listening socket's queue when the drain
+  begins is accepted and answered before the socket closes (docs/listener.md).
 """
 
 from __future__ import annotations
@@ -237,23 +239,49 @@ class HTTPServer:
         request is served: h2 answers it with GOAWAY, h1 with ``connection: close``), and waits for
         it. A connection accepted is never dropped unanswered. Capacity errors (out of file
         descriptors, of memory) wait 0.1 s and try again, as ``trio.serve_listeners`` does.
+
+        Closing a listening socket resets the connections waiting in its accept queue (when it is
+        the socket's last descriptor), so the drain first accepts every one of them (:meth:`_sweep`),
+        with nothing between that and the close. A socket shared with a replacement (inherited from
+        a supervising parent) would keep them; sweeping it too costs a few connections a GOAWAY, and
+        saves them when the whole command stops.
         """
         async with listener:
+            try:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                            raise
+                        log.warning("accept failed (%s); trying again in 0.1 s", os.strerror(exc.errno))
+                        await trio.sleep(0.1)
+                        continue
+                    self._adopt(stream, conn_nursery)
+            except trio.Cancelled:
+                if self.draining:
+                    self._sweep(listener, conn_nursery)
+                raise
+
+    def _adopt(self, stream: trio.SocketStream, conn_nursery: trio.Nursery) -> None:
+        self._accepted += 1
+        handle = _Connection(self, stream)
+        self._connections.add(handle)
+        if self.draining:
+            handle.drain()
+        conn_nursery.start_soon(self._handle, handle)
+
+    def _sweep(self, listener: trio.SocketListener, conn_nursery: trio.Nursery) -> None:
+        """Accept, without waiting, every connection in ``listener``'s queue (at most its backlog):
+        each is served as a drained one."""
+        queue = socket.socket(fileno=os.dup(listener.socket.fileno()))  # (a descriptor of our own, to accept on)
+        with queue:
             while True:
                 try:
-                    stream = await listener.accept()
-                except OSError as exc:
-                    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                        raise
-                    log.warning("accept failed (%s); trying again in 0.1 s", os.strerror(exc.errno))
-                    await trio.sleep(0.1)
-                    continue
-                self._accepted += 1
-                handle = _Connection(self, stream)
-                self._connections.add(handle)
-                if self.draining:
-                    handle.drain()
-                conn_nursery.start_soon(self._handle, handle)
+                    accepted, _ = queue.accept()
+                except OSError:  # (BlockingIOError: nothing left)
+                    return
+                self._adopt(trio.SocketStream(trio.socket.from_stdlib_socket(accepted)), conn_nursery)
 
     async def _handle(self, handle: _Connection) -> None:
         try:
@@ -391,7 +419,10 @@ async def serve_http(
     if ssl_context is not None:
         ssl_context.set_alpn_protocols(["h2", "http/1.1"])
     try:
-        if config.reuse_port:
+        inherited = _take_inherited(host, port) if config.reuse_port else None
+        if inherited is not None:
+            listeners = [inherited]
+        elif config.reuse_port:
             listeners = [await _open_shared_listener(host, port, backlog=1024)]
         else:
             listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
@@ -415,7 +446,11 @@ def inherit_listener(sock: socket.socket) -> None:
     _inherited.append(sock)
 
 
-def _take_inherited(family: int, address: Any) -> trio.SocketListener | None:
+def _take_inherited(host: str, port: int) -> trio.SocketListener | None:
+    """The inherited listening socket bound to the first address ``host:port`` resolves to, if any."""
+    if not _inherited:
+        return None
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     for sock in _inherited:
         try:
             bound = sock.getsockname()
@@ -429,15 +464,12 @@ def _take_inherited(family: int, address: Any) -> trio.SocketListener | None:
 
 async def _open_shared_listener(host: str, port: int, *, backlog: int) -> trio.SocketListener:
     """One listening socket on ``host:port`` bound with ``SO_REUSEPORT`` (and ``SO_REUSEADDR``,
-    as trio's own listeners), or the inherited one bound there: what ``ListenerConfig.reuse_port``
-    asks for."""
+    as trio's own listeners): what ``ListenerConfig.reuse_port`` asks for, unless a socket bound
+    there was inherited."""
     found = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM, flags=trio.socket.AI_PASSIVE)
     if not found:  # (getaddrinfo raises instead, in practice)
         raise OSError(f"no address for {host}")
     family, kind, proto, _, address = found[0]
-    inherited = _take_inherited(family, address)
-    if inherited is not None:
-        return inherited
     sock = trio.socket.socket(family, kind, proto)
     try:
         sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
