@@ -61,6 +61,7 @@ from blocks.mirror import (
     MirrorConfig,
 )
 from blocks.prober import (
+    HealthConfig,
     ProberConfig,
 )
 from blocks.routing import (
@@ -69,6 +70,7 @@ from blocks.routing import (
     OutlierConfig,
     Policy,
     Replica,
+    RetryBudgetConfig,
     RouteCache,
     Routes,
     RouteTable,
@@ -167,6 +169,7 @@ __all__ = [
     "Policy",
     "LeastInFlight",
     "OutlierConfig",
+    "RetryBudgetConfig",
     # hops and their features
     "Hop",
     "Feature",
@@ -190,6 +193,7 @@ __all__ = [
     "token_tenant",
     # prober
     "ProberConfig",
+    "HealthConfig",
     # sticky sessions
     "SessionConfig",
     "WorkerSessionConfig",

@@ -49,8 +49,11 @@ REASONS: dict[str, str] = {
     "unauthorized": "no valid credentials for the app",
     "no_route": "no route for the authority",
     "no_replica": "no live replica for the app",
-    "replica_unreachable": "the next hop refused or dropped the connection; nothing was sent",
-    "replica_refused": "the next hop refused the stream; nothing was processed",
+    "no_next_hop": "the hop knows no next hop to send to (an edge with no proxy)",
+    "next_hop_unreachable": "the hop could not connect to its next hop (``next=`` says which); nothing was sent",
+    "next_hop_refused": "the next hop refused the stream twice; nothing was processed",
+    "replica_unreachable": "the worker could not connect to the replica (``replica=`` says which); nothing was sent",
+    "replica_refused": "the replica refused the stream twice; nothing was processed",
     "replica_timeout": "the next hop did not answer in time",
     "upstream_reset": "the next hop reset the stream or broke the protocol before answering",
     "overloaded": "the tenant's queue is full, or its wait timed out",
@@ -64,8 +67,25 @@ REASONS: dict[str, str] = {
 }
 """Every ``proxyblocks-error`` reason, and what it means (docs/errors.md has the table with statuses)."""
 
-RETRYABLE_REASONS = frozenset({b"replica_unreachable", b"replica_refused"})
-"""The reasons that say nothing of the request reached a replica: the proxy may send it to another."""
+RETRYABLE_REASONS = frozenset(
+    {b"replica_unreachable", b"replica_refused", b"next_hop_unreachable", b"next_hop_refused"}
+)
+"""The reasons that say nothing of the request was processed: a hop may send it to another upstream."""
+
+UPSTREAM_REASONS = frozenset(
+    {
+        "replica_unreachable",
+        "replica_refused",
+        "replica_timeout",
+        "upstream_reset",
+        "next_hop_unreachable",
+        "next_hop_refused",
+    }
+)
+"""The reasons of a hop's own failure with its upstream: its error field names that upstream."""
+
+NEXT_HOP_REASONS = {"replica_unreachable": "next_hop_unreachable", "replica_refused": "next_hop_refused"}
+"""What a hop that is not the last (the edge, the proxy) calls its upstream's unreachable or refusal."""
 
 _STATUS_REASONS = {
     400: "bad_request",
@@ -85,6 +105,13 @@ def status_reason(status: int) -> str:
     """The reason an error ``status`` usually means (``bad_request`` for 400, ``overloaded`` for
     503...); else ``bad_request`` for a 4xx, ``internal`` for a 5xx."""
     return _STATUS_REASONS.get(status) or ("bad_request" if status < 500 else "internal")
+
+
+def parse_error_field(value: bytes) -> tuple[bytes, bytes]:
+    """A ``proxyblocks-error`` value's reason and the hop that answered it (``b""``: none named yet,
+    a hop's own error on its way to :meth:`~blocks.hops.Hop.error_field`)."""
+    reason, _, rest = value.partition(b";")
+    return reason.strip(), rest.partition(b"hop=")[2].partition(b";")[0].strip()
 
 
 def error_field(reason: str, hop: str) -> tuple[bytes, bytes]:
@@ -361,8 +388,10 @@ class InvalidToken(Unauthorized):
 
 
 __all__ = [
+    "NEXT_HOP_REASONS",
     "REASONS",
     "RETRYABLE_REASONS",
+    "UPSTREAM_REASONS",
     "BlocksError",
     "BadRequest",
     "ColdStartFailed",
@@ -385,5 +414,6 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamTimeout",
     "error_field",
+    "parse_error_field",
     "status_reason",
 ]

@@ -37,7 +37,8 @@ session token). Read by the worker, which counts the request in that session
 PROBE_HEADER = b"x-proxyblocks-probe"
 """Written by the proxy's prober and session broker on their own requests.
 Read by the worker: with it, :data:`LOAD_PATH` and :data:`SESSIONS_PATH`
-are answered by the worker itself."""
+are answered by the worker itself; and by every hop: with it, :data:`HEALTH_PATH`
+is answered by the hop itself."""
 
 MIRROR_HEADER = b"x-proxyblocks-mirror"
 """Written by the proxy's mirror on every copy it sends a shadow (the default
@@ -68,6 +69,12 @@ LOAD_PATH = b"/.proxyblocks/load"
 """``GET`` with :data:`PROBE_HEADER`: the worker answers with its replicas'
 load as JSON (written by the prober, read by the worker)."""
 
+HEALTH_PATH = b"/.proxyblocks/health"
+"""``GET`` with :data:`PROBE_HEADER`: every hop (edge, proxy, worker) answers 200 while it serves
+and 503 once it drains (written by the health checker, :func:`blocks.prober.open_health_checker`;
+read by the hop itself). To a worker, with :data:`REPLICA_HEADER` (and :data:`TARGET_HEADER`):
+200 if it can reach that replica now (a pooled connection, or a fresh connect), else 502."""
+
 SESSIONS_PATH = b"/.proxyblocks/sessions"
 """At the proxy, from a client: ``POST`` starts a session of a sessioned app,
 ``DELETE`` (with its session token) ends it. From the proxy's session broker
@@ -77,6 +84,7 @@ end that session on the replica :data:`REPLICA_HEADER` names."""
 __all__ = [
     "ENDED_HEADER",
     "ERROR_HEADER",
+    "HEALTH_PATH",
     "INTERNAL_PREFIX",
     "LOAD_PATH",
     "MIRROR_HEADER",

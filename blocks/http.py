@@ -125,6 +125,11 @@ class BytesBody(Body):
         return data
 
 
+SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
+"""RFC 9110 9.2.1's safe methods: a hop sends one again, once, when its upstream connection was lost
+before any byte of the response came (RFC 9110 9.2.2 lets a client retry such a request)."""
+
+
 def empty_body() -> BytesBody:
     """An ended body: what a GET carries."""
     return BytesBody()
@@ -535,6 +540,7 @@ def strip_hop_by_hop(headers: Headers, *, te_trailers: bool = False) -> Headers:
 
 
 __all__ = [
+    "SAFE_METHODS",
     "Body",
     "BytesBody",
     "IterBody",

@@ -51,16 +51,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from blocks import Chain, EtcdSource, SchedulerConfig, TenantPolicy, UpstreamConfig, serve_chain
+from blocks import Chain, SchedulerConfig, TenantPolicy, serve_chain
 from blocks.command import CommandParser, Operations, at_least, run_until_signal, seconds
 from blocks.routing import Address
-from blocks.topology import LOOPBACK, App, hop_from_url, hop_options, proxy_sections, replica_from_url, replica_url
+from blocks.topology import LOOPBACK, App, ChainPlan, hop_from_url, hop_options, proxy_sections, replica_url
 
 __all__ = ["FAIR", "Chain", "main"]
 
@@ -88,7 +87,11 @@ async def main(
     routes_file: Path | None = None,
     replica_urls: Sequence[str] = (),
     apps: Mapping[str, App] | None = None,
-    next_hop: Address | None = None,
+    next_hops: Sequence[Address] = (),
+    proxies: int = 1,
+    workers: int = 1,
+    name: str | None = None,
+    advertise: Address | None = None,
     route_source: str | None = None,
     reread: Callable[[], object] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -97,46 +100,33 @@ async def main(
     task_status: trio.TaskStatus[Chain] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the chain, or one ``role`` of it (see the flags); report a :class:`~blocks.Chain` once it serves.
-
-    ``reread``, on reload (SIGHUP), gives new settings: ``replica_urls`` (the app ``demo``) and ``apps``.
-    ``options``: each hop's keywords from the config file (:func:`~blocks.topology.hop_options`)."""
-    routed = bool(replica_urls or apps)
-    if next_hop is None and (role == "edge" or (role == "proxy" and (routed or not (route_source or routes_file)))):
-        raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
-    hops = {hop: {"port": port if role == hop else 0, **(options or {}).get(hop, {})} for hop in ("worker", "proxy")}
-
-    async def build(chain: Chain) -> None:
-        chain.front = "edge" if role == "chain" else role  # (where the access log goes, unless told)
-        demo = range(replicas if role == "chain" and not replica_urls else 0)  # (none behind your --replica)
-        local = {f"replica-{i}": await chain.start_replica(f"replica-{i}", protocol=replica_protocol) for i in demo}
-        worker = next_hop
-        if role in ("chain", "worker"):
-            upstream = UpstreamConfig(response_timeout=replica_timeout, ca_file=replica_ca)
-            server, _ = await chain.start_worker(local, app=None, upstream=upstream, **hops["worker"])
-            worker = (host, server.port)
-        if role in ("chain", "proxy"):
-
-            def route(urls: Sequence[str], more: Mapping[str, App] | None) -> None:
-                yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(urls)}
-                if worker is not None:
-                    chain.route({"demo": App(("*",), yours or local), **(more or {})}, worker=worker)
-
-            route(replica_urls, apps)
-            if reread is not None:
-                chain.on_reload(lambda: route(*attrgetter("replica_urls", "apps")(reread())))
-            if routes_file is not None:
-                chain.follow_route_file(routes_file)
-            source = EtcdSource(route_source) if route_source else None
-            upstream = UpstreamConfig(response_timeout=replica_timeout + 5)  # > the worker's: its 504 shows
-            await chain.start_proxy(source=source, scheduler=scheduler, upstream=upstream, **hops["proxy"])
-        if role in ("chain", "edge"):
-            upstream = UpstreamConfig(response_timeout=replica_timeout + 10)
-            proxy = next_hop if role == "edge" else None
-            await chain.start_edge(
-                port=port, proxy=proxy, tls=tls, cert=cert, key=key, cert_dir=cert_dir, upstream=upstream
-            )
-
-    await serve_chain(build, host=host, announce=announce, operations=operations, task_status=task_status)
+    The settings are a :class:`~blocks.topology.ChainPlan`'s (a wrong mix of them: ``ValueError``)."""
+    plan = ChainPlan(
+        role=role,
+        host=host,
+        port=port,
+        replicas=replicas,
+        replica_protocol=replica_protocol,
+        replica_timeout=replica_timeout,
+        replica_ca=replica_ca,
+        replica_urls=replica_urls,
+        apps=apps,
+        tls=tls,
+        cert=cert,
+        key=key,
+        cert_dir=cert_dir,
+        scheduler=scheduler,
+        routes_file=routes_file,
+        next_hops=next_hops,
+        proxies=proxies,
+        workers=workers,
+        name=name,
+        advertise=advertise,
+        route_source=route_source,
+        options=options,
+        reread=reread,
+    )
+    await serve_chain(plan.build, host=host, announce=announce, operations=operations, task_status=task_status)
 
 
 def run() -> None:
@@ -145,9 +135,16 @@ def run() -> None:
     parser.add_serving_flags()
     flag = parser.add_argument
     flag("--role", choices=("chain", "edge", "proxy", "worker"), default="chain", help="every hop, or this one")
-    flag("--next-hop", type=hop_from_url, metavar="URL", help="the edge's proxy, the proxy's worker (h2c://host:port)")
-    flag("--route-source", metavar="URL", help="the proxy's routes from this etcd (http://host:2379)")
-    flag("--replicas", type=at_least(1), default=2, help="demo replicas behind the worker")
+    hop = "the edge's proxies, the proxy's workers (h2c://host:port, repeatable)"
+    flag("--next-hop", dest="next_hops", action="append", type=hop_from_url, default=[], metavar="URL", help=hop)
+    flag("--proxies", type=at_least(1), default=1, help="proxies in the chain, the edge spreading over them")
+    flag("--workers", type=at_least(1), default=1, help="workers in the chain, each with its own demo replicas")
+    flag("--name", help="this hop's name, in server-timing, errors and logs (default: its role)")
+    where = "the host:port other hops reach this one at, as registered in --route-source (default: --host, --port)"
+    flag("--advertise", type=hop_from_url, metavar="HOST:PORT", help=where)
+    fleet = "the fleet's etcd (http://host:2379): the proxy's routes; workers and proxies register there"
+    flag("--route-source", metavar="URL", help=fleet)
+    flag("--replicas", type=at_least(1), default=2, help="demo replicas behind each worker")
     flag("--replica-protocol", choices=("h2", "h1"), default="h2", help="worker -> demo replica protocol")
     flag("--replica-timeout", type=seconds, default=30.0, help="seconds before a silent replica is a 504")
     flag("--no-scheduler", action="store_true", help="admit proxy -> worker streams without the fair scheduler")

@@ -4,10 +4,11 @@
                                    # logs: Running on http://127.0.0.1:PORT (CTRL + C to quit)
 
 Hypercorn serves HTTP/1.1 and HTTP/2 with prior knowledge (h2c) on the one
-port. Every answer carries ``x-served-by: hypercorn`` and
-``x-http-version`` (the protocol the request reached hypercorn with):
+port. Every answer carries ``x-served-by: hypercorn``, ``x-replica:
+hypercorn-PORT`` (the port it listens on) and ``x-http-version`` (the
+protocol the request reached hypercorn with):
 
-- ``GET /hello``: 200, ``hello from hypercorn\\n``;
+- ``GET /`` and ``GET /hello``: 200, ``hello from hypercorn\\n``;
 - ``GET /headers``: 200, the request's headers as hypercorn saw them, one ``name: value`` a line;
 - ``POST /echo``: 200, the request body streamed back chunk by chunk as it arrives;
 - ``GET /count?n=N``: 200, N lines ``line I`` sent one at a time;
@@ -45,13 +46,14 @@ async def app(
             (b"content-type", b"text/plain"),
             (b"x-served-by", b"hypercorn"),
             (b"x-http-version", scope["http_version"].encode()),
+            (b"x-replica", b"hypercorn-%d" % scope["server"][1]),
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(data: bytes, more: bool = False) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": more})
 
-    if path == "/hello":
+    if path in ("/", "/hello"):
         await start(200)
         await body(b"hello from hypercorn\n")
     elif path == "/headers":

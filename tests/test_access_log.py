@@ -443,7 +443,7 @@ def messages(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
 
 
 def test_an_ejection_and_a_return_are_one_warning_each(caplog: pytest.LogCaptureFixture) -> None:
-    detector = OutlierDetector(OutlierConfig(base_ejection=1.0))
+    detector = OutlierDetector(OutlierConfig(base_ejection=1.0, slow_start_window=0.0))
     replica = Replica(name="r1", worker=("127.0.0.1", 1), address=("127.0.0.1", 2))
     others = [Replica(name=f"r{i}", worker=("127.0.0.1", 1), address=("127.0.0.1", 2)) for i in range(2, 5)]
     assert detector.record(replica, False, 0.0, unreachable=True)

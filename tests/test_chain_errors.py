@@ -7,6 +7,8 @@ Rules: loopback only, port 0, every test bounded by ``trio.fail_after``.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import trio
@@ -35,11 +37,15 @@ from blocks.tokens import TokenReason
 
 
 def assert_error_page(response: httpx.Response, status: int, reason: str, hop: str) -> None:
-    """The status, ``proxyblocks-error: REASON; hop=HOP``, and a one-line body saying the same."""
+    """The status, ``proxyblocks-error: REASON; hop=HOP`` (and, for a failure of the hop's upstream,
+    which one: ``; replica=NAME (host:port)``), and a one-line body saying the same."""
     assert response.status_code == status
     assert "Traceback" not in response.text
-    assert response.headers["proxyblocks-error"] == f"{reason}; hop={hop}"
-    assert response.text == f"{status} {response.reason_phrase}: {reason}; hop={hop}\n"
+    field = response.headers["proxyblocks-error"]
+    assert re.fullmatch(
+        rf"{reason}; hop={hop}(; (replica|next)=[\w@.-]+ \(127\.0\.0\.1:\d+\)|; next=127\.0\.0\.1:\d+)?", field
+    )
+    assert response.text == f"{status} {response.reason_phrase}: {field}\n"
 
 
 async def wait_in_flight(chain: Chain) -> None:

@@ -141,7 +141,7 @@ async def test_a_502_is_counted_with_its_reason_and_the_ejection_with_its_replic
         async with h2_client() as client:
             response = await client.get(chain.url + "/x")
         assert response.status_code == 502
-        assert response.headers["proxyblocks-error"] == "replica_unreachable; hop=worker"
+        assert response.headers["proxyblocks-error"].startswith("replica_unreachable; hop=worker; replica=dead-0 (")
         samples = await scrape(admin)
     requests = "proxyblocks_requests_total"
     for hop, app in (("edge", ""), ("proxy", "demo"), ("worker", "")):

@@ -77,7 +77,7 @@ def test_the_proxy_routes_and_counts_until_closed() -> None:
 
 def test_outlier_ejection_follows_the_injected_clock() -> None:
     now = [0.0]
-    config = OutlierConfig(consecutive_failures=2, base_ejection=10.0, max_ejected_share=0.5)
+    config = OutlierConfig(consecutive_failures=2, base_ejection=10.0, panic_threshold=0.5)
     proxy = Proxy(table(), NO_UPSTREAMS, outliers=OutlierDetector(config), clock=lambda: now[0])
     for _ in range(2):
         exchange = decide(proxy)

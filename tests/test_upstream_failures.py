@@ -345,27 +345,28 @@ async def test_new_requests_after_a_goaway_open_a_fresh_connection(nursery: trio
             assert server.where() == [(0, 1, "answered"), (1, 1, "answered"), (1, 3, "answered")]
 
 
-async def test_an_error_goaway_fails_the_streams_below_and_retries_those_above(nursery: trio.Nursery) -> None:
+async def test_an_error_goaway_cuts_the_streams_below_and_retries_those_above(nursery: trio.Nursery) -> None:
     with trio.fail_after(10):
         server = await start_upstream(nursery, on_first_connection("hold"))
         async with open_upstreams() as upstreams:
             outcomes: dict[bytes, str] = {}
 
-            async def fetch(path: bytes) -> None:
+            async def fetch(method: bytes, path: bytes) -> None:
                 try:
-                    outcomes[path] = await text(upstreams, server.address, get(path))
+                    outcomes[path] = await text(upstreams, server.address, Request(method, b"http", b"u.test", path))
                 except UpstreamProtocolError as exc:
                     outcomes[path] = f"{exc.status}"
 
             async with trio.open_nursery() as requests:
-                requests.start_soon(fetch, b"/a")
-                await wait_for(lambda: len(server.seen) == 1)
-                requests.start_soon(fetch, b"/b")
-                await wait_for(lambda: len(server.seen) == 2)
-                await server.connections[0].goaway(1, h2.errors.ErrorCodes.INTERNAL_ERROR)
-            # Stream 1 may have been processed: it fails. Stream 3 never was: it is sent again.
-            assert outcomes == {b"/a": "502", b"/b": "conn=1 stream=1 body=0"}
-            assert pool_statistics(upstreams) == (1, 0, 1)
+                for count, (method, path) in enumerate([(b"POST", b"/p"), (b"GET", b"/a"), (b"GET", b"/b")], 1):
+                    requests.start_soon(fetch, method, path)
+                    await wait_for(lambda count=count: len(server.seen) == count)  # streams 1, 3, 5
+                await server.connections[0].goaway(3, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            # Streams 1 and 3 may have been processed, and the connection's end cut them before any
+            # response byte: the GET goes again, the POST fails at once. Stream 5 never was: it goes again.
+            assert outcomes.pop(b"/p") == "502"
+            assert sorted(outcomes.values()) == ["conn=1 stream=1 body=0", "conn=1 stream=3 body=0"]
+            assert pool_statistics(upstreams) == (1, 0, 2)
 
 
 # -- safe retry on the awaiting path -----------------------------------------------------------
@@ -597,8 +598,9 @@ def test_outlier_config_defaults_and_validation() -> None:
         config.consecutive_unreachable,
         config.base_ejection,
         config.max_ejection,
-        config.max_ejected_share,
-    ) == (5, 1, 1.0, 10.0, 0.5)
+        config.panic_threshold,
+        config.slow_start_window,
+    ) == (5, 1, 1.0, 10.0, 0.5, 2.0)
     for bad in [
         {"consecutive_failures": 0},
         {"consecutive_unreachable": 0},
@@ -606,14 +608,17 @@ def test_outlier_config_defaults_and_validation() -> None:
         {"base_ejection": math.inf},
         {"max_ejection": math.nan},
         {"base_ejection": 60.0, "max_ejection": 30.0},
-        {"max_ejected_share": -0.1},
-        {"max_ejected_share": 1.5},
+        {"panic_threshold": -0.1},
+        {"panic_threshold": 1.5},
+        {"slow_start_window": -1.0},
+        {"slow_start_aggression": 0.0},
+        {"slow_start_min_weight": 0.0},
     ]:
         with pytest.raises(ValueError):
             OutlierConfig(**bad)  # type: ignore[arg-type]
 
 
-SLOW = OutlierConfig(base_ejection=30.0, max_ejection=300.0)  # round numbers for the mechanics
+SLOW = OutlierConfig(base_ejection=30.0, max_ejection=300.0, slow_start_window=0.0)  # round numbers for the mechanics
 
 
 def test_consecutive_failures_eject_and_a_success_resets_the_count() -> None:
@@ -661,7 +666,7 @@ def test_outcomes_while_ejected_are_ignored() -> None:
 def test_one_unreachable_failure_ejects_at_once_and_5xx_need_their_count() -> None:
     """A dead replica fails fast, so least in-flight would keep picking it: its first
     connect failure takes it out; a replica answering 5xx needs consecutive_failures."""
-    detector = OutlierDetector()
+    detector = OutlierDetector(OutlierConfig(slow_start_window=0.0))
     a, b = replicas(2)
     for _ in range(4):
         assert detector.record(a, False, 0.0) is False
@@ -671,7 +676,7 @@ def test_one_unreachable_failure_ejects_at_once_and_5xx_need_their_count() -> No
 
 
 def test_repeated_ejections_double_up_to_the_cap_then_start_over() -> None:
-    config = OutlierConfig(consecutive_failures=1, base_ejection=30.0, max_ejection=300.0)
+    config = OutlierConfig(consecutive_failures=1, base_ejection=30.0, max_ejection=300.0, slow_start_window=0.0)
     detector = OutlierDetector(config)
     (a,) = replicas(1)
     now = 0.0
@@ -688,33 +693,34 @@ def test_repeated_ejections_double_up_to_the_cap_then_start_over() -> None:
     assert detector.statistics().ejections == 7
 
 
-def test_never_more_than_the_share_of_an_app_is_ejected() -> None:
+def test_below_the_panic_threshold_every_replica_is_selectable() -> None:
     detector = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1))
     four = replicas(4)
     for i, replica in enumerate(four):
         detector.record(replica, False, float(i))  # ejected until 30, 31, 32, 33
     assert all(detector.ejected(replica, 10.0) for replica in four)
-    # Half of four may be out: the two whose ejection ends first stay in.
-    assert detector.selectable(four, 10.0) == four[:2]
-    # An app of three may lose one, an app of one none.
-    assert detector.selectable(four[1:], 10.0) == four[1:3]
-    assert detector.selectable(four[3:], 10.0) == four[3:]
-    # As ejections end, the rest comes back.
-    assert detector.selectable(four, 30.5) == four[:2]  # r0 is back; r1 still kept in by the share
-    assert detector.selectable(four, 31.5) == four[:2]  # r1 is back; r2 and r3 out, as the share allows
+    # All four out: fewer than half would be left, so the pool panics and offers all of them.
+    assert detector.selectable(four, 10.0) is four
+    assert detector.selectable(four[:1], 10.0) == four[:1]  # an app of one never loses it
+    # As ejections end, the rest comes back; ejection applies again once half are healthy.
+    assert detector.selectable(four, 30.5) is four  # one healthy of four: panic
+    assert detector.selectable(four, 31.5) == four[:2]  # two of four: r2 and r3 out
     assert detector.selectable(four, 32.5) == four[:3]
     assert detector.selectable(four, 33.0) is four
+    assert detector.statistics().panics == 3
 
 
-def test_share_limits_at_the_edges() -> None:
+def test_panic_threshold_at_the_edges() -> None:
     four = replicas(4)
-    nobody = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1, max_ejected_share=0.0))
-    everybody_but_one = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1, max_ejected_share=1.0))
-    for detector in (nobody, everybody_but_one):
-        for replica in four:
+    never = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1, panic_threshold=0.0))
+    always = OutlierDetector(attrs.evolve(SLOW, consecutive_failures=1, panic_threshold=1.0))
+    for detector in (never, always):
+        for replica in four[1:]:
             detector.record(replica, False, 0.0)
-    assert nobody.selectable(four, 1.0) is four
-    assert everybody_but_one.selectable(four, 1.0) == four[:1]
+    assert never.selectable(four, 1.0) == four[:1]  # 0: ejection holds while one is left
+    assert always.selectable(four, 1.0) is four  # 1: any ejection panics
+    never.record(four[0], False, 0.0)
+    assert never.selectable(four, 1.0) is four  # none left: every one is offered
 
 
 events = st.lists(
@@ -726,20 +732,23 @@ events = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(
     n=st.integers(1, 8),
-    share=st.floats(0, 1),
+    threshold_share=st.floats(0, 1),
     threshold=st.integers(1, 4),
     base=st.floats(0.5, 60),
     script=events,
 )
-def test_selection_never_exceeds_the_share_and_keeps_one(
-    n: int, share: float, threshold: int, base: float, script: list[tuple[int, bool, float]]
+def test_selection_ejects_only_above_the_panic_threshold_and_keeps_one(
+    n: int, threshold_share: float, threshold: int, base: float, script: list[tuple[int, bool, float]]
 ) -> None:
     config = OutlierConfig(
-        consecutive_failures=threshold, base_ejection=base, max_ejection=base * 8, max_ejected_share=share
+        consecutive_failures=threshold,
+        base_ejection=base,
+        max_ejection=base * 8,
+        panic_threshold=threshold_share,
+        slow_start_window=0.0,
     )
     detector = OutlierDetector(config)
     candidates = replicas(n)
-    allowed = min(math.floor(n * share + 1e-9), n - 1)
     now = 0.0
     for index, ok, step in script:
         now += step
@@ -747,11 +756,13 @@ def test_selection_never_exceeds_the_share_and_keeps_one(
         selected = list(detector.selectable(candidates, now))
         left_out = [replica for replica in candidates if replica not in selected]
         assert selected, "at least one replica stays selectable"
-        assert len(left_out) <= allowed
         assert selected == [replica for replica in candidates if replica in selected]  # table order
-        assert all(detector.ejected(replica, now) for replica in left_out)
         ejected = [replica for replica in candidates if detector.ejected(replica, now)]
-        assert len(left_out) == min(len(ejected), allowed)
+        healthy = n - len(ejected)
+        if healthy == 0 or healthy < threshold_share * n - 1e-9:
+            assert left_out == []  # panic
+        else:
+            assert left_out == ejected
 
 
 # -- outlier ejection, wired into the proxy ---------------------------------------------------------
@@ -802,7 +813,7 @@ async def test_two_unreachable_replicas_are_one_retry_then_a_502(nursery: trio.N
             for n in range(1, 4):
                 response = await client.get(f"http://{HOST}:{edge.port}/")
                 assert response.status_code == 502
-                assert response.headers["proxyblocks-error"] == "replica_unreachable; hop=worker"
+                assert response.headers["proxyblocks-error"].startswith("replica_unreachable; hop=worker; replica=")
                 assert list(parse_server_timing(response.headers["server-timing"])) == [
                     "app",
                     "worker",

@@ -52,13 +52,36 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from blocks.errors import BlocksError, HopFailed, NoRoute, StreamReset, UpstreamConnectError, error_field
-from blocks.fields import ERROR_HEADER
-from blocks.http import Headers, Request, Response, abandon, error_response
+from blocks.errors import (
+    NEXT_HOP_REASONS,
+    RETRYABLE_REASONS,
+    UPSTREAM_REASONS,
+    BlocksError,
+    HopFailed,
+    NoRoute,
+    StreamReset,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    error_field,
+    parse_error_field,
+)
+from blocks.fields import ERROR_HEADER, HEALTH_PATH, PROBE_HEADER
+from blocks.http import (
+    SAFE_METHODS,
+    Body,
+    Headers,
+    Request,
+    Response,
+    StreamBody,
+    abandon,
+    error_response,
+    text_response,
+)
+from blocks.routing import format_address
 from blocks.scheduler import Grant, Scheduler, TenantKey, header_tenant
 from blocks.timing import Timing, add_server_timing
 from blocks.transport import Address
-from blocks.transport.listener import ListenerConfig
+from blocks.transport.listener import HTTPServer, ListenerConfig
 from blocks.transport.multiplexer import Upstreams
 from blocks.transport.streams import H2Driver, H2Stream, TappedBody, Tee, tap_splice
 
@@ -191,7 +214,7 @@ class Exchange:
             for i, (name, value) in enumerate(headers):
                 if name == ERROR_HEADER:
                     if b"hop=" not in value:
-                        headers[i] = error_field(value.decode("latin-1"), hop.name)
+                        headers[i] = hop.error_field(value.decode("latin-1"), self)
                     break
         for response in hop._responses:
             response(self, status, headers)
@@ -341,6 +364,8 @@ class Hop:
     """True if :meth:`retry` may send a failed request elsewhere (the proxy's)."""
     tenant_key: TenantKey | None = None
     """How this hop names a request's tenant, if it knows tenants (the proxy's); what its access log reads."""
+    server: HTTPServer | None = None
+    """The listener serving this hop (its ``serve_*`` sets it): its health answer is 503 once that drains."""
 
     def __init__(
         self,
@@ -352,12 +377,14 @@ class Hop:
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.name = name
+        self._name = name.encode()
         self.upstreams = upstreams
         self.features = tuple(features)
         self.admission = admission
         self.clock = clock
         stack = self.features
-        self._screens = [f.screen for f in stack if _overrides(f, "screen")]
+        # First on every hop: the health check (blocks.fields.HEALTH_PATH), answered by the hop itself.
+        self._screens = [self._health_screen, *(f.screen for f in stack if _overrides(f, "screen"))]
         self._routes = [f.route for f in stack if _overrides(f, "route")]
         self._responses = [f.response for f in stack if _overrides(f, "response")]
         self._answered = [f.answered for f in stack if _overrides(f, "answered")]
@@ -369,10 +396,75 @@ class Hop:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {[type(f).__name__ for f in self.features]}>"
 
+    @property
+    def draining(self) -> bool:
+        """True once the listener serving this hop (:attr:`server`) drains."""
+        server = self.server
+        return server is not None and server.draining
+
+    def _health_screen(self, exchange: Exchange) -> None:
+        request = exchange.request
+        if request.path == HEALTH_PATH and request.header(PROBE_HEADER) is not None:
+            exchange.answer = self.health
+
+    async def health(self, exchange: Exchange) -> Response:
+        """The answer to a health check (``GET /.proxyblocks/health`` with ``x-proxyblocks-probe``):
+        200 while this hop serves, 503 once it drains. The worker's also checks a replica it names."""
+        if self.draining:
+            return text_response(503, "draining\n")
+        return text_response(200, "ok\n")
+
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """An error came back (``status``, ``headers``) for a request nothing of which was sent on: where
         to send it instead (already dispatched there), or None to answer the error. Once per exchange."""
         return None
+
+    def resendable(self, exchange: Exchange, headers: Headers, *, passed_on: bool = False) -> bytes | None:
+        """The reason of an error head that lets this hop send the request elsewhere, or None.
+
+        This hop's own error whose reason says nothing was processed
+        (:data:`~blocks.errors.RETRYABLE_REASONS`: it could not connect, the
+        stream was refused), or its own ``upstream_reset`` (its connection
+        was lost before any response byte) for a request of a safe method
+        with no body left to send (:data:`~blocks.http.SAFE_METHODS`). With
+        ``passed_on``, a hop behind's ``RETRYABLE_REASONS`` count too (a
+        worker that could not reach its replica).
+        """
+        for name, value in headers:
+            if name == ERROR_HEADER:
+                reason, at = parse_error_field(value)
+                own = not at or at == self._name
+                if reason in RETRYABLE_REASONS and (own or passed_on):
+                    return reason
+                request = exchange.request
+                if own and reason == b"upstream_reset" and request.method in SAFE_METHODS and request.body.ended:
+                    return reason
+                return None
+        return None
+
+    upstream_kind = "next"
+    """What this hop's upstream is, in its error fields: ``next`` (another hop) or ``replica`` (the worker's)."""
+
+    def error_field(self, reason: str, exchange: Exchange | None = None) -> tuple[bytes, bytes]:
+        """The ``proxyblocks-error`` field of this hop's own error: ``REASON; hop=NAME``, and for a failure
+        of its upstream, which one (``; next=proxy-2 (127.0.0.1:9000)``, ``; replica=replica-0 (...)``).
+
+        A hop that is not the last calls an upstream it cannot reach
+        ``next_hop_unreachable`` (``next_hop_refused``), so that
+        ``replica_unreachable`` only ever means a worker could not reach a replica.
+        """
+        if exchange is None or exchange.forward is None or reason not in UPSTREAM_REASONS:
+            return error_field(reason, self.name)
+        kind = self.upstream_kind
+        if kind == "next":
+            reason = NEXT_HOP_REASONS.get(reason, reason)
+        return (ERROR_HEADER, f"{reason}; hop={self.name}; {kind}={self.upstream_label(exchange)}".encode())
+
+    def upstream_label(self, exchange: Exchange) -> str:
+        """How this hop's error fields name the upstream ``exchange`` went to: its address (``host:port``)."""
+        forward = exchange.forward
+        assert forward is not None
+        return format_address(forward.address)
 
     def error_answer(self, request: Request, error: BlocksError) -> Response:
         """This hop's answer to ``error``: its status, ``proxyblocks-error: REASON; hop=NAME``, a one-line
@@ -386,7 +478,7 @@ class Hop:
             assert exchange is not None
             timing.upstream = perf_counter() - exchange.start
         entries = timing.entries(self.name, upstream_name=self.upstream_name if sent else None, total=self.total)
-        headers = add_server_timing([*error.headers, error_field(error.error_reason, self.name)], entries)
+        headers = add_server_timing([*error.headers, self.error_field(error.error_reason, exchange)], entries)
         if self._answered:
             if exchange is None:
                 exchange = Exchange(self, request)
@@ -500,7 +592,10 @@ class Hop:
             if self.admission is not None:
                 await self.admission.admit(exchange)  # or 429 / 503
             forward = self.decide(exchange)
-        replayable = self.retries and request.body.ended  # (a body that went up cannot go again)
+        # Once: a connect failure while no pool took the body (nothing of it was read, streamed or
+        # not), or a reset or an error head for a request with no body (none went up).
+        again_ok = self.retries
+        bodiless = request.body.ended
         tee = exchange.tee
         if tee is not None:
             request.body = TappedBody(request.body, tee.request, tee.abort)
@@ -510,21 +605,27 @@ class Hop:
                     forward.address, request, forward.headers, protocol=forward.protocol
                 )
             except BaseException as exc:
-                if replayable and isinstance(exc, UpstreamConnectError):
-                    replayable = False
-                    again = self.retry(exchange, exc.status, [error_field(exc.error_reason, self.name)])
+                if again_ok and (
+                    (isinstance(exc, UpstreamConnectError) and _unread(request.body))
+                    or (bodiless and isinstance(exc, (StreamReset, UpstreamProtocolError)))
+                ):
+                    again_ok = False
+                    again = self.retry(exchange, exc.status, [self.error_field(exc.error_reason, exchange)])
                     if again is not None:
                         forward = again
                         continue
                 try:
                     if isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
                         # the upstream never answered: 502, 503, 504
-                        exchange.failed(exc.status, [(ERROR_HEADER, exc.error_reason.encode())])
+                        head = [(ERROR_HEADER, exc.error_reason.encode())]
+                        exchange.failed(exc.status, head)
+                        if len(head) > 1:  # what the response hooks added (request ids) goes out with it
+                            exc.headers = [*exc.headers, *head[1:]]
                 finally:
                     exchange.closed()
                 raise
-            if replayable and response.status >= 500:
-                replayable = False
+            if again_ok and bodiless and response.status >= 500:
+                again_ok = False
                 again = self.retry(exchange, response.status, response.headers)
                 if again is not None:
                     await abandon(response.body)
@@ -542,6 +643,23 @@ class Hop:
         if tee is not None:
             response.body = TappedBody(response.body, tee.response)
         return response
+
+
+def _unread(body: Body) -> bool:
+    """Nothing of ``body`` was taken by an upstream, so it can go elsewhere: it ended with nothing in
+    it, or no pool claimed it (a pool claims a body before it reads the first byte of it). An
+    upload whose body comes after its head is still unread when its connect fails."""
+    return body.ended or (type(body) is StreamBody and not body.claimed)
+
+
+def own_error(headers: Headers, hop: str) -> bytes | None:
+    """The reason of ``hop``'s own error in a response head (its ``proxyblocks-error`` names no hop,
+    or ``hop``), or None: no error field, or one a hop behind it answered."""
+    for name, value in headers:
+        if name == ERROR_HEADER:
+            reason, at = parse_error_field(value)
+            return reason if not at or at == hop.encode() else None
+    return None
 
 
 # An internal hop's peer is a hop: its connection carries many clients' streams,

@@ -11,9 +11,10 @@ from time import perf_counter
 import attrs
 import trio
 
-from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized
+from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized, parse_error_field
 from blocks.fields import (
     ERROR_HEADER,
+    HEALTH_PATH,
     REPLICA_HEADER,
     REPORT_HEADER,
     ROUTED_HEADER,
@@ -21,11 +22,29 @@ from blocks.fields import (
     SESSIONS_PATH,
     TARGET_HEADER,
 )
-from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener
+from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener, own_error
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
-from blocks.prober import AutoscaleSignal, LoadEstimator, ProberAware, ProberConfig, open_prober
-from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Policy, Replica, Routes
+from blocks.prober import (
+    AutoscaleSignal,
+    HealthChecker,
+    HealthConfig,
+    LoadEstimator,
+    ProberAware,
+    ProberConfig,
+    open_health_checker,
+    open_prober,
+)
+from blocks.routing import (
+    LeastInFlight,
+    OutlierConfig,
+    OutlierDetector,
+    Policy,
+    Replica,
+    RetryBudget,
+    RetryBudgetConfig,
+    Routes,
+)
 from blocks.scheduler import Scheduler, SchedulerConfig, TenantKey, header_tenant, open_scheduler
 from blocks.sessions import SessionBroker, SessionConfig, open_sessions
 from blocks.tokens import ProxyAuth, TokenIssuer, TokenVerifier
@@ -35,19 +54,29 @@ from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstrea
 DEFAULT_OUTLIERS = OutlierConfig()
 """:func:`serve_proxy`'s outlier ejection, on unless ``outliers=None``."""
 
+DEFAULT_HEALTH = HealthConfig()
+""":func:`serve_proxy`'s active health checks of its workers and ejected replicas, on unless ``health=None``."""
+
 
 @attrs.frozen(kw_only=True)
 class ProxyConfig:
+    """``name``: the proxy's name in ``via``, Server-Timing and errors.
+    ``retry_budget``: what :meth:`Proxy.retry` may spend (:class:`~blocks.routing.RetryBudget`);
+    None retries every request that reached no replica, once."""
+
     name: str = "proxy"
+    retry_budget: RetryBudgetConfig | None = attrs.field(factory=RetryBudgetConfig)
 
 
 @attrs.frozen
 class ProxyStatistics:
-    """``retried``: requests sent to another replica because the first was unreachable."""
+    """``retried``: requests sent to another replica because the first was unreachable;
+    ``retries_refused``: retries the retry budget refused (the original error was answered)."""
 
     in_flight: dict[str, int]
     no_route: int
     retried: int = 0
+    retries_refused: int = 0
 
 
 class AppLookup(Feature):
@@ -143,6 +172,8 @@ class Authorize(Feature):
         app = exchange.app
         if app is None:
             return  # no route: 503
+        if exchange.answer is not None and exchange.request.path == HEALTH_PATH:
+            return  # a health check, answered by the hop (a session start, also an answer, is authorized)
         request = exchange.request
         claims = exchange.claims
         if claims is not None and claims.kind == "session":
@@ -166,12 +197,20 @@ class Router(Feature):
     """
 
     def __init__(
-        self, routes: Routes, policy: Policy, in_flight: Mapping[str, int], name: str, outliers: OutlierDetector | None
+        self,
+        routes: Routes,
+        policy: Policy,
+        in_flight: Mapping[str, int],
+        name: str,
+        outliers: OutlierDetector | None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self.routes = routes
         self.policy = policy
         self.in_flight = in_flight
         self.outliers = outliers
+        self.budget = budget
+        """Counts every routed request (one integer add), for :meth:`Proxy.retry`'s budget."""
         self.no_route = 0
         self._phase = f"{name}-route"
         self._via = (b"via", b"2 " + name.encode())
@@ -189,6 +228,8 @@ class Router(Feature):
         if self.outliers is not None:
             candidates = self.outliers.selectable(candidates, exchange.hop.clock())
         replica = self.policy.pick(request, candidates, self.in_flight)
+        if self.budget is not None:
+            self.budget.requests += 1
         exchange.timing.phase(self._phase, perf_counter() - start)
         return self.forward(exchange, replica)
 
@@ -204,10 +245,20 @@ class Router(Feature):
         ]
         return Forward(replica.worker, headers)
 
-    def alternative(self, exchange: Exchange, failed: Replica) -> Replica | None:
-        """Another of the app's replicas than ``failed``, by the policy among those not ejected; None if none."""
+    def alternative(self, exchange: Exchange, failed: Replica, *, other_worker: bool = False) -> Replica | None:
+        """Another of the app's replicas than ``failed``, by the policy among those not ejected; None if none.
+
+        While another is left: not the same server behind another worker
+        either, or, with ``other_worker`` (``failed``'s worker itself
+        failed), none behind that worker.
+        """
         app = exchange.app
         candidates = [r for r in self.routes.replicas(app) if r.name != failed.name] if app is not None else []
+        if other_worker:
+            elsewhere = [r for r in candidates if r.worker != failed.worker]
+        else:
+            elsewhere = [r for r in candidates if r.address != failed.address]
+        candidates = elsewhere or candidates
         if not candidates:
             return None
         if self.outliers is not None:
@@ -246,6 +297,12 @@ class Outliers(Feature):
 
     A failure whose ``proxyblocks-error`` says the replica could not be
     reached (``replica_unreachable``, ``replica_refused``) counts as such.
+    A failure of the proxy's own connection to the worker (its
+    ``proxyblocks-error`` names no hop, or this one: a connect that failed,
+    a reset or GOAWAY that cut the stream) is the worker's, not the
+    replica's: it goes to :meth:`~blocks.routing.OutlierDetector.record_hop`
+    for the worker's address, once per connection event, and the healthy
+    replicas behind it are not blamed.
     """
 
     def __init__(self, detector: OutlierDetector) -> None:
@@ -258,11 +315,18 @@ class Outliers(Feature):
         if status < 500:
             self.detector.record(replica, True, exchange.hop.clock())
             return
-        unreachable = False
         for name, value in headers:
             if name == ERROR_HEADER:
-                unreachable = value.partition(b";")[0] in RETRYABLE_REASONS
+                reason, at = parse_error_field(value)
+                unreachable = reason in RETRYABLE_REASONS
+                if (unreachable or reason == b"upstream_reset") and (not at or at == exchange.hop.name.encode()):
+                    forward = exchange.forward
+                    address = forward.address if forward is not None else replica.worker
+                    self.detector.record_hop(address, False, exchange.hop.clock(), unreachable=unreachable)
+                    return
                 break
+        else:
+            unreachable = False
         self.detector.record(replica, False, exchange.hop.clock(), unreachable=unreachable)
 
 
@@ -350,7 +414,9 @@ class Proxy(Hop):
         self.tenant_key = tenant_key
         accounting = InFlight(load)
         self.in_flight = accounting.counts
-        self.router = Router(routes, policy or LeastInFlight(), self.in_flight, name, outliers)
+        budget = self.config.retry_budget
+        self.retry_budget = RetryBudget(budget) if budget is not None else None
+        self.router = Router(routes, policy or LeastInFlight(), self.in_flight, name, outliers, self.retry_budget)
         stack: list[Feature] = [ReportRoute(tenant_key), AppLookup(routes)]
         if sessions is not None:
             stack.append(SessionPin(sessions, tenant_key, name))
@@ -365,6 +431,9 @@ class Proxy(Hop):
         super().__init__(name, upstreams, stack, admission=admission, clock=clock)
         self.scheduler = scheduler
         self.retried = 0
+        self.retries_refused = 0
+        self.health_checker: HealthChecker | None = None
+        """The health checker feeding ``outliers``, when :func:`serve_proxy` runs one."""
 
     retries = True
 
@@ -374,24 +443,29 @@ class Proxy(Hop):
 
     def retry(self, exchange: Exchange, status: int, headers: Headers) -> Forward | None:
         """Once per request, one that reached no replica (the worker says ``replica_unreachable`` or
-        ``replica_refused``, or the worker itself was unreachable) goes to another replica of its app.
+        ``replica_refused``; or the worker itself was unreachable, ``next_hop_unreachable``, or lost
+        before it answered a safe request, ``upstream_reset``: then a replica behind another worker is
+        taken) goes to another replica of its app (:meth:`~blocks.hops.Hop.resendable`).
 
-        The failure counts for the first replica's outlier detection; a
-        session's request (pinned, not picked) is never moved.
+        The failure counts for the first replica's outlier detection (or
+        its worker's); a session's request (pinned, not picked) is never
+        moved. A retry the retry budget refuses (``ProxyConfig.retry_budget``)
+        answers the original error, counted in ``retries_refused``.
         """
         failed = exchange.picked
         if failed is None or exchange.retried:
             return None
-        for name, value in headers:
-            if name == ERROR_HEADER:
-                if value.partition(b";")[0] not in RETRYABLE_REASONS:
-                    return None
-                break
-        else:
+        reason = self.resendable(exchange, headers, passed_on=True)
+        if reason is None:
             return None
         exchange.retried = True
-        replica = self.router.alternative(exchange, failed)
+        worker_failed = own_error(headers, self.name) is not None  # (the proxy's own: its link to the worker)
+        replica = self.router.alternative(exchange, failed, other_worker=worker_failed)
         if replica is None:
+            return None
+        budget = self.retry_budget
+        if budget is not None and not budget.try_retry(self.clock()):
+            self.retries_refused += 1
             return None
         exchange.failed(status, headers)
         exchange.undispatch()
@@ -401,7 +475,7 @@ class Proxy(Hop):
         return forward
 
     def statistics(self) -> ProxyStatistics:
-        return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried)
+        return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried, self.retries_refused)
 
 
 async def serve_proxy(
@@ -414,6 +488,7 @@ async def serve_proxy(
     scheduler: SchedulerConfig | None = None,
     tenant_key: TenantKey | None = None,
     outliers: OutlierConfig | None = DEFAULT_OUTLIERS,
+    health: HealthConfig | None = DEFAULT_HEALTH,
     prober: ProberConfig | None = None,
     autoscale: AutoscaleSignal | None = None,
     auth: ProxyAuth | None = None,
@@ -433,7 +508,14 @@ async def serve_proxy(
     ``tenant_key``, the ``x-tenant`` header by default). With ``outliers``
     (on by default: :class:`~blocks.routing.OutlierConfig`'s defaults; None
     turns it off), replicas that keep failing are ejected from selection for
-    a while (:class:`~blocks.routing.OutlierDetector`). A request that
+    a while (:class:`~blocks.routing.OutlierDetector`). With ``health`` too
+    (on by default; None turns it off), a background
+    :func:`~blocks.prober.open_health_checker` checks every worker in
+    ``routes`` and every ejected replica through its worker once an
+    interval, and tells the detector (``proxy.health_checker``): an
+    ejection ends as soon as a check passes, a draining worker takes no new
+    requests, a dead one is ejected before requests find it; where a prober
+    runs, its load polls are the workers' checks. A request that
     reached no replica is sent once more, to another (:meth:`Proxy.retry`). With ``prober``, a background
     :func:`~blocks.prober.open_prober` polls every worker in ``routes`` for
     its replicas' load, the proxy's own dispatches correct it, and the
@@ -462,6 +544,20 @@ async def serve_proxy(
             broker = await stack.enter_async_context(
                 open_sessions(sessions, routes, upstreams, session_issuer, verifier)
             )
+        detector = OutlierDetector(outliers) if outliers is not None else None
+        workers = lambda: {replica.worker for replicas in routes.app_replicas().values() for replica in replicas}  # noqa: E731
+        checker = None
+        if health is not None and detector is not None:
+            checker = await stack.enter_async_context(
+                open_health_checker(
+                    upstreams,
+                    workers,
+                    detector,
+                    health,
+                    replicas=lambda: [replica for replicas in routes.app_replicas().values() for replica in replicas],
+                    polled=prober is not None or broker is not None,
+                )
+            )
         estimator = None
         if prober is not None or broker is not None:
             estimator = LoadEstimator()
@@ -470,13 +566,14 @@ async def serve_proxy(
             await stack.enter_async_context(
                 open_prober(
                     upstreams,
-                    lambda: {replica.worker for replicas in routes.app_replicas().values() for replica in replicas},
+                    workers,
                     estimator,
                     prober,
                     autoscale=autoscale,
                     apps=routes.app_replicas,
                     on_report=broker.report if broker is not None else None,
                     session_apps=sessions.apps if sessions is not None else (),
+                    on_poll=checker.observe if checker is not None else None,
                 )
             )
             if prober is None:
@@ -491,7 +588,7 @@ async def serve_proxy(
             config=config,
             scheduler=fair,
             tenant_key=tenant_key,
-            outliers=OutlierDetector(outliers) if outliers is not None else None,
+            outliers=detector,
             auth=auth,
             sessions=broker,
             mirror=tee,
@@ -507,4 +604,6 @@ async def serve_proxy(
             upstreams=upstreams,
         )
         server = await nursery.start(serve)
+        proxy.server = server
+        proxy.health_checker = checker
         task_status.started((server, proxy))

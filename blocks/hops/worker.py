@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import trio
 
-from blocks.errors import NoRoute
+from blocks.errors import NoRoute, UpstreamConnectError
 from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.hops.proxy import InFlight
-from blocks.http import Request, Response
+from blocks.http import Request, Response, text_response
 from blocks.prober import ReplicaLoad, load_response
 from blocks.routing import parse_address
 from blocks.sessions import SessionGone, SessionTracker, WorkerSessionConfig, session_control_response
@@ -178,6 +178,11 @@ class Worker(Hop):
     """
 
     upstream_name = "app"
+    upstream_kind = "replica"
+
+    def upstream_label(self, exchange: Exchange) -> str:
+        """A replica in this worker's error fields: ``NAME (host:port)``."""
+        return f"{exchange.replica or '-'} ({super().upstream_label(exchange)})"
 
     def __init__(
         self,
@@ -276,8 +281,28 @@ class Worker(Hop):
         return ReplicaLoad(in_flight, 0, tracker.active(name), tracker.capacities.get(name, 0), tracker.revision)
 
     def load_response(self) -> Response:
-        """The answer to a load probe: :meth:`load` as JSON, never cached."""
-        return load_response(self.name, self.load())
+        """The answer to a load probe: :meth:`load` as JSON, never cached; 503 once the worker drains
+        (the prober's poll then tells the health checker, :func:`~blocks.prober.open_health_checker`)."""
+        return load_response(self.name, self.load(), status=503 if self.draining else 200)
+
+    async def health(self, exchange: Exchange) -> Response:
+        """A health check: the hop's own (200, or 503 once draining), or, when it names a replica
+        (``x-proxyblocks-replica``, and ``x-proxyblocks-target`` for one reached by its route),
+        whether the worker can reach that replica now: a pooled connection to it, else a fresh
+        connect within :data:`HEALTH_CONNECT_TIMEOUT` (200, else 502 ``replica_unreachable``)."""
+        request = exchange.request
+        key = request.header(REPLICA_HEADER)
+        if key is None or self.draining:
+            return await super().health(exchange)
+        target = self.replicas.get(key.decode("latin-1"))
+        if target is None:
+            wire = request.header(TARGET_HEADER)
+            if wire is None:
+                raise NoRoute(f"replica {key!r} is not on this worker")
+            target = self._route._target(wire)
+        if not await _reachable(self.upstreams, target.address):
+            raise UpstreamConnectError(f"cannot reach replica {key.decode('latin-1')!r} at {target.address}")
+        return text_response(200, "ok\n")
 
 
 async def serve_worker(
@@ -311,7 +336,26 @@ async def serve_worker(
             upstreams=upstreams,
         )
         server = await nursery.start(serve)
+        worker.server = server
         task_status.started((server, worker))
+
+
+HEALTH_CONNECT_TIMEOUT = 1.0
+"""Seconds a worker's replica health check waits for a fresh connect."""
+
+
+async def _reachable(upstreams: Upstreams, address: Address) -> bool:
+    """A pooled connection to ``address`` is open, or a fresh TCP connect succeeds (closed at once)."""
+    if any(pool.address == address and pool.connections for pool in upstreams.statistics()):
+        return True
+    with trio.move_on_after(HEALTH_CONNECT_TIMEOUT):
+        try:
+            stream = await trio.open_tcp_stream(*address)
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+    return False
 
 
 async def _expire_sessions(tracker: SessionTracker) -> None:

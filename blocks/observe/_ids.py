@@ -129,9 +129,9 @@ class RequestIds(Feature):
     (the access log reads them there). The response gets them in place
     of any the upstream sent.
 
-    An error the edge answers itself before any upstream answered (its
-    proxy unreachable) carries no ids: the edge's own error answer does
-    not pass the ``response`` phase's head.
+    An error the edge answers itself once it sent the request (every proxy
+    unreachable) carries them too: the fields the ``response`` phase adds
+    to a failure's head go out with the hop's error answer.
     """
 
     def screen(self, exchange: Exchange) -> None:

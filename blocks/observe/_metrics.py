@@ -31,7 +31,7 @@ from blocks.fields import ERROR_HEADER
 from blocks.hops import Exchange, Feature, Hop, Proxy, Worker
 from blocks.http import Headers
 from blocks.mirror import OUTCOMES
-from blocks.routing import RouteCache
+from blocks.routing import RouteCache, format_address
 from blocks.transport.listener import HTTPServer
 
 DEFAULT_BUCKETS: tuple[float, ...] = (
@@ -424,11 +424,46 @@ class MetricsCollector:
             "Requests a proxy sent to another replica (the first unreachable).",
             labels=["hop"],
         )
+        refused_retries = CounterMetricFamily(
+            "proxyblocks_proxy_retries_refused",
+            "Retries the proxy's retry budget refused (the original error was answered).",
+            labels=["hop"],
+        )
+        hop_ejected = GaugeMetricFamily(
+            "proxyblocks_outlier_next_hop_ejected",
+            "1 while a next hop (a worker) is out of selection: ejected, failing its health check, or draining.",
+            labels=["hop", "next_hop"],
+        )
+        ramping = GaugeMetricFamily(
+            "proxyblocks_outlier_slow_start_share",
+            "The share of a full member's traffic a member back from ejection may take now (slow start).",
+            labels=["hop", "member"],
+        )
+        panics = CounterMetricFamily(
+            "proxyblocks_outlier_panics",
+            "Selections that ignored ejection: fewer than the panic threshold of an app's replicas were left.",
+            labels=["hop"],
+        )
+        checks = CounterMetricFamily(
+            "proxyblocks_health_checks",
+            "Active health checks the proxy sent (its workers, ejected replicas through their worker).",
+            labels=["hop"],
+        )
+        checks_failed = CounterMetricFamily(
+            "proxyblocks_health_check_failures",
+            "Health checks (or the prober's polls standing for them) that found no usable answer.",
+            labels=["hop"],
+        )
         for part in parts:
             hop = part.hop
             if not isinstance(hop, Proxy):
                 continue
             retried.add_metric([part.name], hop.retried)
+            refused_retries.add_metric([part.name], hop.retries_refused)
+            if hop.health_checker is not None:
+                health = hop.health_checker.statistics()
+                checks.add_metric([part.name], health.checks)
+                checks_failed.add_metric([part.name], health.failed)
             if hop.scheduler is not None:
                 for row in self.tenant_rows(hop):
                     name = row["name"]
@@ -443,12 +478,20 @@ class MetricsCollector:
                 for outcome in OUTCOMES:
                     mirror.add_metric([part.name, outcome], getattr(stats, outcome))
             if hop.outliers is not None:
-                outliers = hop.outliers.statistics(hop.clock())
+                now = hop.clock()
+                outliers = hop.outliers.statistics(now)
                 for replica, n in sorted(outliers.by_replica.items()):
                     ejections.add_metric([part.name, replica], n)
                 for replica in sorted(outliers.ejected):
                     ejected.add_metric([part.name, replica], 1.0)
+                for address in sorted(outliers.hops):
+                    hop_ejected.add_metric([part.name, format_address(address)], 1.0)
+                for member in sorted(outliers.ramping, key=str):
+                    label = member if isinstance(member, str) else format_address(member)
+                    ramping.add_metric([part.name, label], hop.outliers.share(member, now))
+                panics.add_metric([part.name], outliers.panics)
         yield from (admitted, queued, refused, depth, running, mirror, ejections, ejected, retried)
+        yield from (refused_retries, hop_ejected, ramping, panics, checks, checks_failed)
 
     def tenant_rows(self, proxy: Proxy) -> list[dict[str, Any]]:
         """The proxy's scheduler per tenant: the top tenants by name, the rest summed as ``other``

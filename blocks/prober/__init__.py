@@ -3,10 +3,12 @@
 The load report format, the estimator (:class:`LoadEstimator`), the
 :class:`ProberAware` policy and the autoscale signal are sans-IO in
 ``_core.py``; the trio driver that polls every worker (:class:`Prober`,
-:func:`open_prober`) is ``_driver.py``. See docs/prober.md.
+:func:`open_prober`) is ``_driver.py``; the active health checker that
+feeds an outlier detector (:class:`HealthChecker`, :func:`open_health_checker`)
+is ``_health.py``. See docs/prober.md.
 """
 
-from blocks.fields import LOAD_PATH, PROBE_HEADER
+from blocks.fields import HEALTH_PATH, LOAD_PATH, PROBE_HEADER
 from blocks.prober._core import (
     AppAutoscale,
     AutoscaleConfig,
@@ -23,8 +25,10 @@ from blocks.prober._core import (
     parse_load,
 )
 from blocks.prober._driver import Prober, ProberStatistics, WorkerProbeStatistics, load_response, open_prober
+from blocks.prober._health import HealthChecker, HealthConfig, HealthStatistics, open_health_checker
 
 __all__ = [
+    "HEALTH_PATH",
     "LOAD_PATH",
     "PROBE_HEADER",
     "AppAutoscale",
@@ -41,6 +45,10 @@ __all__ = [
     "ReplicaEstimate",
     "ReplicaLoad",
     "WorkerProbeStatistics",
+    "HealthChecker",
+    "HealthConfig",
+    "HealthStatistics",
+    "open_health_checker",
     "encode_load",
     "load_response",
     "open_prober",

@@ -103,8 +103,10 @@ class Prober:
         apps: Callable[[], Mapping[str, Sequence[Replica]]] | None = None,
         on_report: Callable[[LoadReport, float], None] | None = None,
         session_apps: Collection[str] = (),
+        on_poll: Callable[[Address, int | None], None] | None = None,
     ) -> None:
         self.upstreams = upstreams
+        self.on_poll = on_poll
         self.workers = workers
         self.estimator = estimator
         self.config = config
@@ -151,10 +153,12 @@ class Prober:
         state.polls += 1
         taken_at = trio.current_time()
         error: str | None = "timed out"
+        status: int | None = None
         with trio.move_on_after(self.config.timeout):
             try:
                 request = Request(b"GET", b"http", _authority(address), LOAD_PATH)
                 response = await self.upstreams.request(address, request, [(PROBE_HEADER, b"1")])
+                status = response.status
                 try:
                     body = await response.body.read_all(_MAX_LOAD_BODY)
                 finally:
@@ -172,6 +176,8 @@ class Prober:
                 error = f"{type(exc).__name__}: {exc}"
             else:
                 error = None
+        if self.on_poll is not None:
+            self.on_poll(address, status if error is None or status == 503 else None)
         if error is not None:
             state.failures += 1
             state.last_error = error
@@ -241,6 +247,7 @@ async def open_prober(
     apps: Callable[[], Mapping[str, Sequence[Replica]]] | None = None,
     on_report: Callable[[LoadReport, float], None] | None = None,
     session_apps: Collection[str] = (),
+    on_poll: Callable[[Address, int | None], None] | None = None,
 ) -> AsyncIterator[Prober]:
     """A running :class:`Prober` for the ``async with`` block.
 
@@ -252,8 +259,12 @@ async def open_prober(
     in-flight total, or for the ``session_apps``, their active sessions
     (a sessioned app scales by sessions). ``on_report`` hears every worker's
     parsed answer and when its poll was sent (the session broker's
-    estimate). The first round starts at once. Leaving the block stops the
-    prober; errors from the body come out as they are, not wrapped.
+    estimate). ``on_poll(address, status)`` hears how every poll went: 200,
+    503 (the worker drains), or None (no usable answer): the health
+    checker's view of the workers, so that it sends no second poll
+    (:meth:`HealthChecker.observe`). The first round starts at once. Leaving
+    the block stops the prober; errors from the body come out as they are,
+    not wrapped.
     """
     prober = Prober(
         upstreams,
@@ -264,6 +275,7 @@ async def open_prober(
         apps=apps,
         on_report=on_report,
         session_apps=session_apps,
+        on_poll=on_poll,
     )
     with one_error():
         async with trio.open_nursery() as nursery:
@@ -274,6 +286,6 @@ async def open_prober(
                 nursery.cancel_scope.cancel()
 
 
-def load_response(worker: str, replicas: Mapping[str, ReplicaLoad]) -> Response:
-    """A worker's answer to a load probe: :func:`encode_load` as JSON, never cached."""
-    return json_response(200, encode_load(worker, replicas))
+def load_response(worker: str, replicas: Mapping[str, ReplicaLoad], *, status: int = 200) -> Response:
+    """A worker's answer to a load probe: :func:`encode_load` as JSON, never cached (``status`` 503: draining)."""
+    return json_response(status, encode_load(worker, replicas))

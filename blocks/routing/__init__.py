@@ -18,9 +18,11 @@ All of it is sans-IO: no trio anywhere in this package, no clock of its own
 - ``_cache``: :class:`RouteCache` and :class:`RouteEvent`;
 - ``_policies`` and ``_rendezvous``: the built-in policies and the hashing
   behind :class:`AffinityHash`;
-- ``_outliers``: :class:`OutlierDetector`.
+- ``_outliers``: :class:`OutlierDetector` (ejection, the panic rule, slow start);
+- ``_budget``: :class:`RetryBudget`.
 """
 
+from blocks.routing._budget import RetryBudget, RetryBudgetConfig, RetryBudgetStatistics
 from blocks.routing._cache import RouteCache, RouteCacheStatistics, RouteEvent
 from blocks.routing._layout import (
     decode_domain,
@@ -33,7 +35,7 @@ from blocks.routing._layout import (
     route_key_for_domain,
     route_key_for_replica,
 )
-from blocks.routing._outliers import OutlierConfig, OutlierDetector, OutlierStatistics
+from blocks.routing._outliers import CONNECTION_EVENT, Member, OutlierConfig, OutlierDetector, OutlierStatistics
 from blocks.routing._policies import AffinityHash, LeastInFlight, Policy, PowerOfTwo, RoundRobin
 from blocks.routing._settings import (
     AppSettings,
@@ -85,4 +87,10 @@ __all__ = [
     "OutlierConfig",
     "OutlierDetector",
     "OutlierStatistics",
+    "Member",
+    "CONNECTION_EVENT",
+    # the retry budget
+    "RetryBudget",
+    "RetryBudgetConfig",
+    "RetryBudgetStatistics",
 ]

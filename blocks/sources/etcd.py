@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -234,10 +235,34 @@ class EtcdSource:
         kvs = data.get("kvs", [])
         return _unb64(kvs[0].get("value", "")) if kvs else None
 
-    async def put(self, key: str, value: bytes) -> int:
-        """Set ``prefix + key``; returns the revision of the write."""
-        data = await self._call("/v3/kv/put", {"key": _b64(self._full_key(key)), "value": _b64(value)})
+    async def put(self, key: str, value: bytes, *, lease: int | None = None) -> int:
+        """Set ``prefix + key`` (bound to ``lease``: deleted when it ends); returns the revision of the write."""
+        body: dict[str, Any] = {"key": _b64(self._full_key(key)), "value": _b64(value)}
+        if lease is not None:
+            body["lease"] = str(lease)
+        data = await self._call("/v3/kv/put", body)
         return int(data["header"]["revision"])
+
+    async def grant_lease(self, ttl: float) -> int:
+        """A new lease of ``ttl`` seconds (rounded up to whole seconds, at least 1): its id."""
+        data = await self._call("/v3/lease/grant", {"TTL": str(max(1, math.ceil(ttl)))})
+        try:
+            return int(data["ID"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SourceUnavailable(f"{self.url}/v3/lease/grant: unexpected answer: {exc!r}") from exc
+
+    async def keep_alive(self, lease: int) -> float:
+        """Renew ``lease``; the seconds it now has left (0: it had ended, and its keys with it)."""
+        answer = await post_json(self.endpoint, "/v3/lease/keepalive", {"ID": str(lease)}, timeout=self.request_timeout)
+        result = answer.get("result", answer)
+        try:
+            return float(result.get("TTL", 0)) if isinstance(result, dict) else 0.0
+        except (TypeError, ValueError) as exc:
+            raise SourceUnavailable(f"{self.url}/v3/lease/keepalive: unexpected answer: {exc!r}") from exc
+
+    async def revoke_lease(self, lease: int) -> None:
+        """End ``lease`` now: every key bound to it is deleted."""
+        await self._call("/v3/lease/revoke", {"ID": str(lease)})
 
     async def delete(self, key: str) -> int:
         """Delete ``prefix + key``; returns the store's revision after (unchanged if there was no such key)."""

@@ -19,10 +19,13 @@ the readers of a proxy's config tables are here (:func:`proxy_sections`:
 and :func:`hop_options` turns what they read into each hop's keywords.
 
 Each part is started on its own, so a process that runs one role (only a
-worker, only a proxy) uses the same steps as a chain in one process.
+worker, only a proxy) uses the same steps as a chain in one process;
+:class:`ChainPlan` is what one process of the chain recipe runs (its
+role, several proxies and workers, the fleet's etcd), checked up front.
 """
 
-from blocks.topology._chain import BuildChain, Chain, ServeReplica, open_chain, serve_chain
+from blocks.topology._chain import BuildChain, Chain, ServeReplica, behind_workers, open_chain, serve_chain
+from blocks.topology._plan import ROLES, ChainPlan
 from blocks.topology._records import (
     LOOPBACK,
     REPLICA_SCHEMES,
@@ -47,6 +50,9 @@ from blocks.topology._sections import (
 )
 
 __all__ = [
+    "ROLES",
+    "ChainPlan",
+    "behind_workers",
     "LOOPBACK",
     "REPLICA_SCHEMES",
     "App",

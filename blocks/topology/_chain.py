@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,11 @@ from blocks.routing import (
     Address,
     AppSettings,
     RouteCache,
+    encode_replica,
+    route_key_for_replica,
 )
-from blocks.sources import EmbeddedStore, RouteSource, reconcile
+from blocks.sources import EmbeddedStore, EtcdSource, RouteSource, reconcile
+from blocks.sources.register import PROXIES_APP, PROXIES_PREFIX, serve_registration
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.topology._records import LOOPBACK, App, route_records
 from blocks.transport.listener import HTTPServer, ListenerConfig
@@ -59,8 +62,9 @@ BuildChain = Callable[["Chain"], Awaitable[None]]
 class Chain:
     """A chain in one process, started part by part in the nursery it owns (see :func:`open_chain`).
 
-    ``replicas``: the replica servers it started, by name; ``workers``: every
-    worker it started, in order (``worker``/``worker_server`` is the first);
+    ``replicas``: the replica servers it started, by name; ``workers`` and
+    ``proxies``: every worker and proxy it started, in order
+    (``worker``/``worker_server`` and ``proxy``/``proxy_server`` are the first);
     ``store`` and ``cache``: the routes and the proxy's copy of them;
     ``cert``: the edge's certificate with ``tls=True``. Reading a part that
     has not started (``edge`` before :meth:`start_edge`) raises
@@ -74,7 +78,7 @@ class Chain:
     replicas: dict[str, HTTPServer] = attrs.field(factory=dict)
     workers: list[tuple[HTTPServer, Worker]] = attrs.field(factory=list)
     cert: Path | None = None
-    _proxy: tuple[HTTPServer, Proxy] | None = None
+    proxies: list[tuple[HTTPServer, Proxy]] = attrs.field(factory=list)
     _edge: HTTPServer | None = None
     _scratch: tempfile.TemporaryDirectory[str] | None = None  # the self-signed key's, removed with the chain
     _reloads: list[Callable[[], object]] = attrs.field(factory=list)
@@ -84,6 +88,7 @@ class Chain:
     access log is written when :attr:`operations` name no hops."""
     admin: HTTPServer | None = None
     _access_log: AccessLog | None = None
+    _registrations: list[tuple[trio.CancelScope, trio.Event]] = attrs.field(factory=list)
 
     async def _observed(self, hop: str, options: dict[str, Any]) -> dict[str, Any]:
         """``options`` for ``hop`` (``edge``, ``proxy``, ``worker``) with the features its operators
@@ -117,15 +122,15 @@ class Chain:
 
     @property
     def proxy_server(self) -> HTTPServer:
-        if self._proxy is None:
+        if not self.proxies:
             raise RuntimeError("the chain's proxy has not started")
-        return self._proxy[0]
+        return self.proxies[0][0]
 
     @property
     def proxy(self) -> Proxy:
-        if self._proxy is None:
+        if not self.proxies:
             raise RuntimeError("the chain's proxy has not started")
-        return self._proxy[1]
+        return self.proxies[0][1]
 
     @property
     def worker_server(self) -> HTTPServer:
@@ -201,19 +206,34 @@ class Chain:
         ``task_status``); return what it reports. It stops with the chain, after its parts drained."""
         return await self._nursery.start(serve, *args)
 
-    def route(self, apps: Mapping[str, App], *, worker: Address, layer: str = "chain") -> int:
+    def route(
+        self,
+        apps: Mapping[str, App],
+        *,
+        worker: Address | None = None,
+        workers: Sequence[Address] = (),
+        layer: str = "chain",
+    ) -> int:
         """Route ``apps`` whose replicas sit behind ``worker``: the store's ``layer`` (see
         :meth:`EmbeddedStore.load_routes`) becomes their :func:`route_records`, in one revision.
+
+        Several ``workers`` (instead of one ``worker``) each reach every replica: each
+        replica is routed once behind each (:func:`behind_workers`), so that
+        a dead worker takes out only the routes through it.
 
         An app without replicas is left out (its domains would lead nowhere);
         an app's ``settings`` (what it mirrors) is written with it.
         Called again, it replaces what it wrote before: apps and domains it
         no longer names are removed. Returns the store's revision.
         """
+        workers = [worker, *workers] if worker is not None else list(workers)
+        if not workers:
+            raise ValueError("route() needs the worker (or workers) the replicas sit behind")
         records: dict[str, bytes] = {}
         for name, app in apps.items():
             if app.replicas:
-                records |= route_records(name, app.replicas, worker=worker, domains=app.domains, settings=app.settings)
+                for address, replicas in behind_workers(app.replicas, workers):
+                    records |= route_records(name, replicas, worker=address, domains=app.domains, settings=app.settings)
         return self.store.load_routes(records, layer=layer)
 
     def follow_route_file(self, path: Path) -> None:
@@ -253,26 +273,34 @@ class Chain:
         go to :func:`~blocks.serve_proxy` (``port``, ``scheduler``,
         ``upstream``, ``policy``, ``sessions``, ``mirror``...).
         """
-        await self._nursery.start(reconcile, source or self.store, self.cache)
+        if not self.proxies:  # (the proxies of one chain share its cache)
+            await self._nursery.start(reconcile, source or self.store, self.cache)
         options = self._shared(await self._observed("proxy", options), options.get("port", 0), INTERNAL_LISTENER)
         if self.operations.processes > 1 and options.get("scheduler") is not None:  # this process's share
             options["scheduler"] = options["scheduler"].split(self.operations.processes, self.operations.process or 0)
         serve = functools.partial(serve_proxy, self.cache, host=self.host, **options)
-        self._proxy = await self._nursery.start(serve)
-        return self._proxy
+        started: tuple[HTTPServer, Proxy] = await self._nursery.start(serve)
+        self.proxies.append(started)
+        return started
 
     async def start_edge(
         self,
         *,
         port: int = 0,
         proxy: Address | None = None,
+        proxies: Sequence[Address] = (),
+        proxies_from: EtcdSource | None = None,
+        name: str = "edge",
         tls: bool = False,
         cert_dir: Path | None = None,
         cert: Path | None = None,
         key: Path | None = None,
         **options: Any,
     ) -> HTTPServer:
-        """Start the edge on ``port`` (0: a free one), in front of ``proxy`` (default: this chain's).
+        """Start the edge on ``port`` (0: a free one), in front of ``proxies`` (or the one ``proxy``;
+        default: every proxy this chain started), spreading requests across them.
+        With ``proxies_from`` (an etcd), also the proxies registered there
+        (:meth:`register_proxy`), followed as they come and go.
 
         With ``tls``, it serves HTTPS (ALPN ``h2``, ``http/1.1``) with a
         self-signed certificate for ``localhost`` and ``127.0.0.1`` written
@@ -296,11 +324,62 @@ class Chain:
                 cert_dir = Path(self._scratch.name)
             self.cert, key = make_self_signed(cert_dir)
             context = server_context(self.cert, key)
-        config = EdgeConfig(proxy=proxy or (self.host, self.proxy_server.port))
+        if proxy is not None:
+            proxies = (proxy, *proxies)
+        next_hops = None
+        if proxies_from is not None:
+            found = RouteCache()
+            hops = EtcdSource(proxies_from.url, PROXIES_PREFIX, request_timeout=proxies_from.request_timeout)
+            await self._nursery.start(reconcile, hops, found)
+            next_hops = functools.partial(found.replicas, PROXIES_APP)
+        elif not proxies:
+            if not self.proxies:
+                raise RuntimeError("the chain's proxy has not started")
+            proxies = [(self.host, server.port) for server, _ in self.proxies]
+        config = EdgeConfig(proxies=proxies, name=name)
         options = self._shared(await self._observed("edge", options), port, ListenerConfig())
-        serve = functools.partial(serve_edge, config, host=self.host, port=port, ssl_context=context, **options)
+        serve = functools.partial(
+            serve_edge, config, host=self.host, port=port, ssl_context=context, next_hops=next_hops, **options
+        )
         self._edge = await self._nursery.start(serve)
         return self._edge
+
+    async def register(
+        self, source: EtcdSource, records: Mapping[str, bytes], *, lasting: Mapping[str, bytes] | None = None
+    ) -> None:
+        """Keep ``records`` in etcd while the chain serves (:func:`~blocks.sources.register.serve_registration`:
+        bound to a lease, renewed, revoked first thing in :meth:`shutdown`); ``lasting`` are written once."""
+        scope = trio.CancelScope()
+        done = trio.Event()
+
+        async def run(task_status: trio.TaskStatus[None]) -> None:
+            try:
+                with scope:
+                    await serve_registration(source, records, lasting=lasting, task_status=task_status)
+            finally:
+                done.set()
+
+        await self._nursery.start(run)
+        self._registrations.append((scope, done))
+
+    async def register_replicas(self, source: EtcdSource, apps: Mapping[str, App], *, worker: Address) -> None:
+        """Register ``apps``' replicas in etcd as behind ``worker`` (this chain's worker at its reachable
+        address), each named ``NAME@<worker's name>``, for as long as the chain serves; their domains
+        and settings are written once (:meth:`register`)."""
+        name = self.worker.name
+        records: dict[str, bytes] = {}
+        for app, spec in apps.items():
+            renamed = {f"{replica}@{name}": local for replica, local in spec.replicas.items()}
+            records |= route_records(app, renamed, worker=worker, domains=spec.domains, settings=spec.settings)
+        lasting = {key: value for key, value in records.items() if "/replicas/" not in key}
+        await self.register(source, {k: v for k, v in records.items() if k not in lasting}, lasting=lasting)
+
+    async def register_proxy(self, source: EtcdSource, *, address: Address) -> None:
+        """Register this chain's proxy for the edges that follow ``source`` (:meth:`start_edge`'s
+        ``proxies_from``): under :data:`~blocks.sources.register.PROXIES_PREFIX`, at ``address``."""
+        hops = EtcdSource(source.url, PROXIES_PREFIX, request_timeout=source.request_timeout)
+        record = route_key_for_replica(PROXIES_APP, self.proxy.name)
+        await self.register(hops, {record: encode_replica(worker=address, address=address)})
 
     async def start_admin(self, *, port: int = 0, host: str | None = None, top_tenants: int = 10) -> HTTPServer:
         """Start the admin listener (:func:`~blocks.observe.serve_admin`) on ``host:port`` (default: the
@@ -317,10 +396,9 @@ class Chain:
             parts: list[tuple[str, HTTPServer, Any]] = []
             if self._edge is not None:
                 parts.append(("edge", self._edge, served_hop(self._edge)))
-            if self._proxy is not None:
-                parts.append((self._proxy[1].name, *self._proxy))
+            parts += [(proxy.name, server, proxy) for server, proxy in self.proxies]
             parts += [(worker.name, server, worker) for server, worker in self.workers]
-            return Observed(parts=named_parts(parts), routes=self.cache if self._proxy is not None else None)
+            return Observed(parts=named_parts(parts), routes=self.cache if self.proxies else None)
 
         serve = functools.partial(serve_admin, observed, host=host or self.host, port=port, top_tenants=top_tenants)
         server: HTTPServer = await self._nursery.start(serve)
@@ -329,23 +407,52 @@ class Chain:
     async def shutdown(self, grace: float = 10.0) -> None:
         """Drain front to back, then stop everything the chain runs.
 
-        The front-most part started (the edge, else the proxy, else the
-        workers) drains first: it stops accepting, h2 clients get GOAWAY, h1
-        clients ``connection: close``, and requests in flight get up to
-        ``grace`` seconds. The parts behind it then close one after the
-        other, each with a 1-second grace (they are idle by then), and the
-        chain's nursery is cancelled.
+        The front-most parts started (the edge, else the proxies, else the
+        workers) drain first, together: they stop accepting, h2 clients get
+        GOAWAY, h1 clients ``connection: close``, and requests in flight get
+        up to ``grace`` seconds. The tiers behind them then close one after
+        the other, each with a 1-second grace (they are idle by then), and
+        the chain's nursery is cancelled.
         """
-        servers = [self._edge] if self._edge is not None else []
-        servers += [self._proxy[0]] if self._proxy is not None else []
-        servers += [server for server, _ in self.workers] + list(self.replicas.values())
-        for i, server in enumerate(servers):
-            await server.aclose(grace if i == 0 else 1.0)
+        await self._unregister()
+        tiers = [
+            [self._edge] if self._edge is not None else [],
+            [server for server, _ in self.proxies],
+            [server for server, _ in self.workers],
+            list(self.replicas.values()),
+        ]
+        first = True
+        for tier in tiers:
+            if tier:
+                async with trio.open_nursery() as nursery:
+                    for server in tier:
+                        nursery.start_soon(server.aclose, grace if first else 1.0)
+                first = False
         self.cancel()
+
+    async def _unregister(self) -> None:
+        """Revoke this chain's registrations (the hops behind it stop sending new requests here)."""
+        for scope, _ in self._registrations:
+            scope.cancel()
+        for _, done in self._registrations:
+            await done.wait()
 
     def cancel(self) -> None:
         """Stop everything the chain runs at once, without a drain (its nursery is cancelled)."""
         self._nursery.cancel_scope.cancel()
+
+
+def behind_workers(
+    replicas: Mapping[str, LocalReplica], workers: Sequence[Address]
+) -> list[tuple[Address, dict[str, LocalReplica]]]:
+    """``replicas`` as routed behind each of ``workers``: one worker keeps their names; with several,
+    replica ``NAME`` behind the ``j``-th worker (from 1) is ``NAME@worker-j``, a route of its own."""
+    if len(workers) == 1:
+        return [(workers[0], dict(replicas))]
+    return [
+        (worker, {f"{name}@worker-{j}": replica for name, replica in replicas.items()})
+        for j, worker in enumerate(workers, 1)
+    ]
 
 
 def _certified(cert: Path, key: Path, context: ssl.SSLContext | None = None) -> ssl.SSLContext:
@@ -430,8 +537,8 @@ async def serve_chain(
             if chain.cert is not None and chain._scratch is not None:
                 print(f"certificate: {chain.cert}  (curl --cacert {chain.cert} {chain.url}/)", flush=True)
         if announce:
-            parts = [("proxy", chain._proxy[0])] if chain._proxy is not None else []
-            parts += [("worker", server) for server, _ in chain.workers]
+            parts = [(proxy.name, server) for server, proxy in chain.proxies]
+            parts += [(worker.name, server) for server, worker in chain.workers]
             parts += [(f"replica {name}", server) for name, server in chain.replicas.items()]
             for part, server in parts:
                 print(f"{part} listening on h2c://{host}:{server.port}", flush=True)

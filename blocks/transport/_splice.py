@@ -359,6 +359,14 @@ class Splice:
             self.up.reset(self.response.src_st, _CANCEL)
         self._close()
 
+    def fail_with(self, error: BaseException, headers: Headers) -> None:
+        """As :meth:`failed` for the upstream side, answering ``headers`` as they are: the error head the
+        hop's ``head_filter`` already made for ``error`` (it is not filtered twice)."""
+        if self.closed:
+            return
+        self.head_filter = lambda status, fields: headers
+        self.failed(self.up, error)
+
     def refuse(self, status: int) -> None:
         """End the exchange from our side: cancel the upstream stream, answer ``status`` downstream.
 

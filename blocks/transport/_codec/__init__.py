@@ -40,7 +40,10 @@ was with h2 alone. The attributes a handler reads, per kind:
 - ``RESET``: ``error_code`` (an int, one of :data:`ErrorCodes`);
 - ``WINDOW_UPDATED``: ``stream_id`` 0 for the connection's window;
 - ``SETTINGS_CHANGED``: nothing (the driver reads ``remote_settings``);
-- ``TERMINATED`` (a GOAWAY received): ``error_code``, ``last_stream_id``.
+- ``TERMINATED`` (a GOAWAY received): ``error_code``, ``last_stream_id``;
+- ``PING_ACK`` (the ACK of a PING we sent): nothing more (the upstream pool,
+  the one sender, has one PING out at a time and writes it beside the
+  state machine: see ``H2ClientConnection.ping``).
 
 A codec also:
 

@@ -36,6 +36,7 @@ class EventKind(enum.Enum):
     WINDOW_UPDATED = "window_updated"
     SETTINGS_CHANGED = "settings_changed"
     TERMINATED = "terminated"
+    PING_ACK = "ping_ack"
 
 
 class CodecSettings(Protocol):

@@ -74,6 +74,7 @@ class H2Codec(h2.connection.H2Connection):
         h2.events.WindowUpdated: EventKind.WINDOW_UPDATED,
         h2.events.RemoteSettingsChanged: EventKind.SETTINGS_CHANGED,
         h2.events.ConnectionTerminated: EventKind.TERMINATED,
+        h2.events.PingAckReceived: EventKind.PING_ACK,
     }
     guard: GuardedFrameBuffer | None = None
 

@@ -398,7 +398,11 @@ class H2Driver:
             self.closed = True
             self._wake.set()
             for st in list(self.streams.values()):
-                self.fail_stream(st, StreamReset("connection closed"))
+                self.stream_lost(st)
+
+    def stream_lost(self, st: H2Stream) -> None:
+        """Hook: the connection ended under ``st`` (the client tells apart the streams it may send again)."""
+        self.fail_stream(st, StreamReset("connection closed"))
 
     # -- streams -----------------------------------------------------------------
 

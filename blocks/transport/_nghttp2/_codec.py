@@ -98,6 +98,7 @@ class NgCodec:
         events.WindowUpdated: EventKind.WINDOW_UPDATED,
         events.RemoteSettingsChanged: EventKind.SETTINGS_CHANGED,
         events.ConnectionTerminated: EventKind.TERMINATED,
+        events.PingAckReceived: EventKind.PING_ACK,
     }
     name = "nghttp2"
 

@@ -99,3 +99,10 @@ class ConnectionTerminated:
 
     def __repr__(self) -> str:
         return f"<ConnectionTerminated error_code:{self.error_code!r}, last_stream_id:{self.last_stream_id}>"
+
+
+class PingAckReceived:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<PingAckReceived>"

@@ -106,6 +106,8 @@ def on_frame(codec: NgCodec, kind: int, flags: int, sid: int, flow: int, a: int,
             evs.append(events.RemoteSettingsChanged())
     elif kind == 7:  # GOAWAY
         evs.append(events.ConnectionTerminated(wire_code(b), a, extra))
+    elif kind == 6 and flags & 0x1:  # PING ACK (the library answers a PING itself)
+        evs.append(events.PingAckReceived())
 
 
 def replay(codec: NgCodec) -> None:

@@ -22,7 +22,15 @@ request is retried once on another connection to the same address when none
 of its body has gone upstream yet, on the awaiting path and the spliced one
 alike; a second refusal, or a refusal after the first body byte, is a 503
 (a spliced stream answers 502, as it does any failure before the head).
-Nothing else is ever retried.
+A stream cut by its connection's end before any response byte (a close
+after a GOAWAY, an idle close, a reset, a PING unanswered) is sent again
+the same way only if its method is safe; otherwise it fails at once
+(the invariant: ``_h2retry``). Nothing else is ever retried.
+
+h2 connection lifetime: ``max_requests_per_connection`` streams at most,
+``h2_idle_timeout`` without a stream, a PING after ``h2_ping_interval``
+of quiet (and after a GOAWAY that leaves streams waiting) whose ACK is due
+within ``h2_ping_timeout``: one keepalive task per pool looks after them.
 
 HTTP/1.1 upstreams: a keep-alive pool of idle connections per address, one
 request per connection at a time. A reused connection that turns out to be
@@ -146,9 +154,10 @@ class Upstreams:
         if pool is None:
             pool = self._pools[(address, "h2")] = _H2Pool(address, self.config, self._nursery, watch=self._deadlines)
         old = replay.splice
-        up_st = old.response.src_st
-        up_st.splice = None  # its body, if any comes, is dropped with the stream
-        old.up.reset(up_st)
+        if not replay.elsewhere:  # (else its stream and connection are gone: the pool could not reach them)
+            up_st = old.response.src_st
+            up_st.splice = None  # its body, if any comes, is dropped with the stream
+            old.up.reset(up_st)
         replay.headers = headers
         replay.park()
         self._nursery.start_soon(pool.resplice, replay, old.up)
@@ -157,7 +166,7 @@ class Upstreams:
     def can_resplice(self, down_st: H2Stream) -> bool:
         """True while :meth:`resplice` would take ``down_st``'s request: none of its body went up."""
         replay: object = down_st.splice
-        return type(replay) is _Replay and replay.events is None and not replay.splice.closed
+        return type(replay) is _Replay and (replay.events is None or replay.elsewhere) and not replay.splice.closed
 
     def sink(self, address: Address, request: Request, headers: Headers, sink: Sink, *, protocol: str = "h2") -> bool:
         """Send a body-less ``request`` to ``address`` now, its response to ``sink``; no task.

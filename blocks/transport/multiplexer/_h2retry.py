@@ -1,9 +1,34 @@
-"""Safe retry of a refused upstream stream (RFC 9113 8.7): what a request keeps so that it can be sent again.
+"""Safe retry of an upstream stream the upstream did not answer (RFC 9113 8.7): what a request keeps so
+that it can be sent again, and when it is.
 
-An upstream that refuses a stream (``REFUSED_STREAM``, or a GOAWAY whose last
-stream id is below it) never processed it, so the pool
-(:mod:`blocks.transport.multiplexer._h2pool`) sends it once more on another
-connection, if none of its body went up. Two things make that possible:
+The invariant, enforced here and in the connection's two places that end a
+stream unanswered (``H2ClientConnection._refuse``, ``stream_lost``):
+
+- **never processed**: a stream reset with ``REFUSED_STREAM`` before its
+  response head, or above the last stream id of a GOAWAY, whatever its
+  error code. It is sent again at once on another connection, whatever its
+  method, if none of its body went up (:class:`_Refused`, status 503 when
+  it cannot be).
+- **cut**: a stream whose connection ended (the upstream closed it after a
+  GOAWAY or while idle, reset it, stopped answering PINGs) before any byte
+  of its response. The upstream may have processed it (a server that
+  accepted it and then closed, as hypercorn does past
+  ``keep_alive_max_requests``), so it is sent again at once only if its
+  method is safe (``GET``, ``HEAD``, ``OPTIONS``, ``TRACE``, as the h1
+  pool's stale-connection retry) and none of its body went up; otherwise it fails at once
+  (:class:`_Refused` with ``maybe_processed``, status 502).
+- **answered, then lost**: a stream whose response head came and whose
+  connection ended before its body did fails at once (``StreamReset``,
+  502): its head is on its way downstream, nothing can be sent again.
+
+"At once" is the point: a connection's end fails every stream on it in the
+same step (``H2Driver.mark_closed``), and a GOAWAY that leaves streams
+waiting is followed by a PING (``H2ClientConnection._on_terminated``), so
+a server that said GOAWAY and then neither answers them nor closes (one
+whose state machine closed with its GOAWAY) is found out within
+``h2_ping_timeout``, or at once when the PING makes it close.
+
+A request goes again at most once. Two things make it possible:
 
 - :class:`_Upload`, on the awaiting path: the request body's pump, which
   outlives the refused stream and carries on on the retry's;
@@ -17,8 +42,8 @@ Invariants:
   has gone upstream (``_Upload.sent``; a :class:`_Replay` hands the stream
   back to its splice with the first body byte, and then no retry is
   possible). A refusal (:class:`_Refused`) after that, or a second one,
-  fails the request (503 on the awaiting path; 502 spliced, as any failure
-  before the head).
+  fails the request (503 on the awaiting path, 502 for a cut stream; 502
+  spliced, as any failure before the head).
 - Every byte received while parked is acknowledged exactly once: relayed by
   the new splice (which acknowledges it as it goes), or given back by
   ``_release`` when the retry is given up.
@@ -34,7 +59,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from blocks._sync import Signal
-from blocks.errors import StreamReset, UpstreamProtocolError
+from blocks.errors import StreamReset, UpstreamConnectError, UpstreamProtocolError
+from blocks.fields import ERROR_HEADER
 from blocks.transport._h2 import H2Driver, H2Stream, acknowledge, flush_marked
 from blocks.transport._splice import Splice
 
@@ -43,12 +69,25 @@ if TYPE_CHECKING:
     from blocks.transport.multiplexer._h2pool import H2ClientConnection
 
 
+SAFE = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
+"""RFC 9110 9.2.1: the methods a cut stream's request may be sent again with (the h1 pool's set too)."""
+
+
 class _Refused(UpstreamProtocolError):
-    """The upstream never processed the stream (RFC 9113 8.7): refused with
-    ``REFUSED_STREAM``, or above the last stream id of its GOAWAY. Safe to
-    send again, if none of the request body went with it."""
+    """The upstream did not answer the stream: it never processed it (RFC 9113 8.7: refused with
+    ``REFUSED_STREAM``, or above the last stream id of its GOAWAY), or, with ``maybe_processed``, its
+    connection ended before any byte of the response. Safe to send again if none of the request body
+    went with it, and, if ``maybe_processed``, its method is safe (see the module docstring)."""
 
     status = 503
+
+    def __init__(self, message: str, *, maybe_processed: bool = False) -> None:
+        super().__init__(message, status=502 if maybe_processed else None)
+        self.maybe_processed = maybe_processed
+
+    def retryable(self, method: bytes) -> bool:
+        """Whether the request (with ``method``, none of its body sent) may go again."""
+        return not self.maybe_processed or method in SAFE
 
 
 class _Upload:
@@ -116,7 +155,7 @@ class _Replay:
     :meth:`give_up` answers the error.
     """
 
-    __slots__ = ("events", "headers", "origin", "request_ended", "splice")
+    __slots__ = ("elsewhere", "events", "headers", "origin", "request_ended", "splice")
 
     def __init__(self, splice: Splice, origin: Request, headers: Headers, ended: bool) -> None:
         self.splice = splice
@@ -124,6 +163,7 @@ class _Replay:
         self.headers = headers
         self.request_ended = ended  # the request ended without a body byte
         self.events: list[tuple[bytes | None, int, bool, Headers | None]] | None = None
+        self.elsewhere = False  # parked, and offered to the hop to send elsewhere (give_up)
         # Duck-typed: the drivers only call the four methods below.
         splice.down_st.splice = self  # type: ignore[assignment]
 
@@ -175,7 +215,8 @@ class _Replay:
         return getattr(self.splice, name)
 
     def park(self) -> None:
-        self.events = []
+        if self.events is None:  # (parked already: what it kept stays)
+            self.events = []
 
     def _release(self) -> None:
         """Acknowledge whatever was kept while parked: it will never be relayed."""
@@ -218,7 +259,27 @@ class _Replay:
         return st
 
     def give_up(self, error: BaseException) -> None:
-        """Answer the downstream stream with ``error``'s status (as a splice does)."""
+        """Answer the downstream stream with ``error``'s status (as a splice does).
+
+        When the pool could not reach its upstream again (a connect that
+        failed), the hop in front may still send the request elsewhere: its
+        head filter hears the error while the stream stays parked, and
+        either sends it on (:meth:`Upstreams.resplice` takes it as it is: the
+        filter returns None) or makes the error head that is answered.
+        """
+        splice = self.splice
+        filtered: Headers | None = None
+        if isinstance(error, UpstreamConnectError) and splice.head_filter is not None and not splice.closed:
+            self.elsewhere = True
+            try:
+                filtered = splice.head_filter(error.status, [(ERROR_HEADER, error.error_reason.encode())])
+            finally:
+                self.elsewhere = False
+            if filtered is None:
+                return  # sent elsewhere
         self._release()
         self._detach()
-        self.splice.failed(self.splice.up, error)
+        if filtered is not None:
+            splice.fail_with(error, filtered)
+        else:
+            splice.failed(splice.up, error)

@@ -1,5 +1,12 @@
 """One pooled HTTP/2 connection to an upstream (:class:`H2ClientConnection`): the streams it opens,
-their response clock, and the events that answer them."""
+their response clock, the events that answer them, and its lifetime (a cap on its streams, an idle
+timeout, a PING when it has been quiet).
+
+A stream that ends unanswered ends in one of two places, which sort it by
+the invariant of :mod:`blocks.transport.multiplexer._h2retry`: ``_refuse``
+(the upstream refused it, or a GOAWAY's last stream id is below it) and
+``stream_lost`` (the connection ended under it).
+"""
 
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ log = logging.getLogger("blocks.multiplexer")
 _CANCEL = ErrorCodes.CANCEL
 _REFUSED = ErrorCodes.REFUSED_STREAM
 _PROTOCOL_ERROR = ErrorCodes.PROTOCOL_ERROR
+_CLOSED = "the connection closed"
+_PING = bytes.fromhex("000008060000000000") + b"pb-alive"  # a PING frame (length 8, type 6, stream 0) and its data
 
 
 def _unanswered(st: H2Stream) -> bool:
@@ -53,8 +62,19 @@ class H2ClientConnection(H2Driver):
         super().__init__(stream, conn, connection_window=config.connection_window)
         self.pool = pool
         self._cap = config.max_streams_per_connection
-        self.accepting = True  # false after a GOAWAY or a failure: no new streams
+        self._max_opened = config.max_requests_per_connection
+        self.accepting = True  # false after a GOAWAY, a failure, or its last request: no new streams
         self._ready = trio.Event()
+        self._scope: trio.CancelScope | None = None  # run()'s: cancelled when the upstream is found dead
+        self.opened = 0  # streams opened (the idle clock and max_requests_per_connection read it)
+        self.heard = False  # bytes came since the pool's last keepalive look
+        now = trio.current_time()
+        self._quiet_since = now  # (keepalive: nothing heard since)
+        self._idle_since = now  # (keepalive: no stream since, to a tick)
+        self.idle_at = now  # when its last stream closed (exact: see stream_closed)
+        self._seen_opened = 0
+        self._ping_sent: float | None = None  # when the PING now unanswered went out
+        self.end_reason = _CLOSED  # what the streams it cuts say (see _ended)
         self.handlers = self.bind(
             {
                 EventKind.RESPONSE: self._on_response,
@@ -65,6 +85,7 @@ class H2ClientConnection(H2Driver):
                 EventKind.WINDOW_UPDATED: self.on_window_updated,
                 EventKind.SETTINGS_CHANGED: self.on_settings,
                 EventKind.TERMINATED: self._on_terminated,
+                EventKind.PING_ACK: self._on_ping_ack,
             }
         )
 
@@ -84,6 +105,7 @@ class H2ClientConnection(H2Driver):
         self.start()
         try:
             async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
                 nursery.start_soon(self.writer)
                 nursery.start_soon(self._reader)
                 # Usable once the peer's SETTINGS arrived: its stream limit is known.
@@ -106,12 +128,22 @@ class H2ClientConnection(H2Driver):
     async def _reader(self) -> None:
         try:
             await self.receive_into(self._receive)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if self.accepting and not self.streams and not self.closed:
+                self.pool.closed_idle(trio.current_time() - self.idle_at)  # (no GOAWAY, no stream: its idle close)
+            self._ended("the upstream closed the connection")
+        except trio.BrokenResourceError as exc:
+            self._ended(f"the connection broke: {exc.__cause__ or exc}")
+        except trio.ClosedResourceError:
             pass
         finally:
             self.mark_closed()
 
+    def _ended(self, how: str) -> None:
+        if not self.closed:
+            self.end_reason = how if self.end_reason is _CLOSED else f"{how}, {self.end_reason}"
+
     def _receive(self, data: bytes | bytearray) -> None:
+        self.heard = True
         try:
             events = self.h2.receive_data(data)
         except ProtocolError as exc:
@@ -143,6 +175,10 @@ class H2ClientConnection(H2Driver):
         conn.send_headers(sid, head, end_stream=end)
         st = H2Stream(sid)
         self.streams[sid] = st
+        self.opened += 1
+        if self.opened == self._max_opened:
+            self.accepting = False  # its last request: it closes once its streams are done (stream_closed)
+            self.pool.replace()
         if timed:
             if end or request.protocol is not None:  # (a tunnel's request never ends: its clock starts now)
                 self._start_clock(st)
@@ -227,27 +263,101 @@ class H2ClientConnection(H2Driver):
             st.cancel_scope.cancel()
 
     def stream_closed(self, st: H2Stream) -> None:
-        self.pool.waiting.pop(st, None)
-        self.pool.slot_freed()
-        if not self.accepting and not self.streams and not self.closed:
-            try:
-                self.h2.close_connection()
-            except ProtocolError:
-                pass
-            self.mark_closed()
+        pool = self.pool
+        pool.waiting.pop(st, None)
+        pool.slot_freed()
+        if not self.streams:
+            if not self.accepting:
+                if not self.closed:
+                    self.close()
+            else:
+                # (The one clock read for a connection's lifetime: when it falls idle, which under
+                # load is seldom. It dates an idle close by the upstream: see _H2Pool.closed_idle.)
+                self.idle_at = trio.current_time()
 
-    def _refuse(self, st: H2Stream, why: str) -> None:
-        """``st`` was never processed upstream: fail it so that its request may be retried."""
-        error = st.error = _Refused(f"upstream {self.pool.address} refused the stream ({why})")
+    def close(self) -> None:
+        """Take no new stream, send GOAWAY(NO_ERROR) (the writer sends it, then the socket closes)."""
+        self.accepting = False
+        try:
+            self.h2.close_connection()
+        except ProtocolError:
+            pass
+        self.mark_closed()
+
+    def _refuse(self, st: H2Stream, why: str, *, maybe_processed: bool = False) -> None:
+        """``st`` is unanswered and was never processed upstream (``maybe_processed``: its connection
+        ended under it, see ``stream_lost``): fail it so that its request may be retried."""
+        what = "cut the stream before its response" if maybe_processed else "refused the stream"
+        error = st.error = _Refused(f"upstream {self.pool.address} {what} ({why})", maybe_processed=maybe_processed)
         splice = st.splice
         if type(splice) is Splice:  # (not a sink: those are never sent again)
             replay: object = splice.down_st.splice
-            if type(replay) is _Replay and replay.splice is splice and not splice.closed:
+            if (
+                type(replay) is _Replay
+                and replay.splice is splice
+                and not splice.closed
+                and error.retryable(replay.origin.method)
+            ):
                 # No body byte went upstream: keep the downstream stream and splice it again.
                 st.splice = None
                 replay.park()
                 self.pool.nursery.start_soon(self.pool.resplice, replay, self)
         self.fail_stream(st, error)
+
+    def stream_lost(self, st: H2Stream) -> None:
+        # The connection ended under ``st``: unanswered, it may go again (a safe
+        # method, no body byte up); answered, its body fails at once.
+        if _unanswered(st):
+            self._refuse(st, self.end_reason, maybe_processed=True)
+        else:
+            super().stream_lost(st)
+
+    # -- lifetime --------------------------------------------------------------------
+
+    def ping(self, now: float) -> None:
+        """Send a PING (beside the codec's state machine, as a GOAWAY that keeps it open is): its ACK
+        is due within ``h2_ping_timeout`` (:meth:`keepalive`)."""
+        self._ping_sent = now
+        self.kick()
+        self._queue(_PING)
+
+    def keepalive(self, now: float) -> None:
+        """The pool's look at this connection, every ``keepalive_tick``: close it with GOAWAY(NO_ERROR)
+        after ``h2_idle_timeout`` without a stream, PING it after ``h2_ping_interval`` without a byte
+        from the upstream, and end it if a PING's ACK is ``h2_ping_timeout`` late.
+
+        Nothing on the request path reads a clock for this: a stream only counts
+        ``opened``, and a read sets ``heard``; so each is measured to a tick.
+        """
+        if self.closed:
+            return
+        config = self.pool.config
+        sent = self._ping_sent
+        if sent is not None:
+            if now - sent >= config.h2_ping_timeout:
+                self.dead(f"no PING ACK within {config.h2_ping_timeout}s")
+            return
+        if self.heard:
+            self.heard = False
+            self._quiet_since = now
+        if self.streams or self.opened != self._seen_opened:
+            self._seen_opened = self.opened
+            self._idle_since = now
+        elif config.h2_idle_timeout is not None and now - self._idle_since >= config.h2_idle_timeout:
+            log.debug("closing the idle connection to %s", self.pool.address)
+            self.close()
+            return
+        if config.h2_ping_interval is not None and now - self._quiet_since >= config.h2_ping_interval:
+            self.ping(now)
+
+    def dead(self, why: str) -> None:
+        """The upstream stopped answering: its streams fail (or go again) now, and the connection ends
+        without waiting for its writer, which a peer that reads nothing would hold up."""
+        log.warning("upstream %s: %s; closing the connection", self.pool.address, why)
+        self.end_reason = why
+        self.mark_closed()
+        if self._scope is not None:
+            self._scope.cancel()
 
     # -- events --------------------------------------------------------------------
 
@@ -323,5 +433,15 @@ class H2ClientConnection(H2Driver):
             else:
                 self.fail_stream(st, StreamReset("answered above the last stream id of a GOAWAY"))
         if not self.survive_goaway(ev):
+            self.end_reason = f"closed after a GOAWAY ({ev.error_code!r}, last stream id {last})"
             self.mark_closed()
+        elif self._ping_sent is None:
+            # Streams wait on a server that said GOAWAY: a PING finds out now, not at its idle
+            # timeout, whether it still reads (one whose state machine closed with its GOAWAY, as
+            # hypercorn's at keep_alive_max_requests, answers it by closing: its streams are cut).
+            self.end_reason = f"after its GOAWAY (last stream id {last})"
+            self.ping(trio.current_time())
         self.pool.slot_freed()
+
+    def _on_ping_ack(self, ev: Any) -> None:
+        self._ping_sent = None

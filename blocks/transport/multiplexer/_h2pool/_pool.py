@@ -24,6 +24,10 @@ from blocks.transport.multiplexer._h2retry import _Refused, _Replay, _Upload
 log = logging.getLogger("blocks.multiplexer")
 
 
+_IDLE_MARGIN = 0.8
+"""Of the longest idle close an upstream was seen to make: how long a connection to it may idle and still be used."""
+
+
 class _Attempt:
     __slots__ = ("done", "error")
 
@@ -60,6 +64,9 @@ class _H2Pool:
         self.retries = 0
         self._attempt: _Attempt | None = None
         self._freed = trio.Event()
+        self._keeping = False  # the keepalive task runs (while the pool has connections)
+        # How long the upstream lets a connection idle, as far as its idle closes showed (see closed_idle).
+        self.idle_limit: float | None = None
 
     def statistics(self) -> PoolStatistics:
         connections = tuple(c.statistics() for c in self.connections)
@@ -90,10 +97,58 @@ class _H2Pool:
         conn = H2ClientConnection(stream, self)
         await self.nursery.start(conn.run)
         self.connections.append(conn)
+        if not self._keeping:
+            self._keeping = True
+            self.nursery.start_soon(self._keepalive)
+
+    async def _keepalive(self) -> None:
+        """One look at every connection each ``keepalive_tick`` (their idle timeout, quiet time and
+        PING: ``H2ClientConnection.keepalive``), while the pool has any: one task per pool, none per
+        request."""
+        tick = self.config.keepalive_tick
+        try:
+            while self.connections:
+                await trio.sleep(tick)
+                now = trio.current_time()
+                for conn in tuple(self.connections):
+                    conn.keepalive(now)
+        finally:
+            self._keeping = False
+
+    def replace(self) -> None:
+        """A connection took its last request (``max_requests_per_connection``): open its successor
+        now, in the background, if no other connection takes new streams, so that the next request
+        finds it ready instead of waiting for a connect."""
+        if self._attempt is None and not any(c.accepting for c in self.connections):
+            attempt = self._attempt = _Attempt()
+            self.nursery.start_soon(self._connect, attempt)
+
+    def closed_idle(self, age: float) -> None:
+        """The upstream closed a connection of ours that had been idle ``age`` seconds, with no GOAWAY
+        (hypercorn's and uvicorn's keep-alive timeout does so): from now on a connection idle for
+        most of that long is not sent a stream (see :meth:`_stale`), so a request never races the
+        next such close. The longest idle close seen counts (a shorter one may be a restart); closes
+        within half a second of idling teach nothing."""
+        if age >= 0.5 and (self.idle_limit is None or age * _IDLE_MARGIN > self.idle_limit):
+            self.idle_limit = age * _IDLE_MARGIN
+            log.info(
+                "upstream %s closes connections idle for %.1fs: idle ones are closed after %.1fs",
+                self.address,
+                age,
+                self.idle_limit,
+            )
+
+    def _stale(self, conn: H2ClientConnection) -> bool:
+        """``conn`` has no stream and has been idle past :attr:`idle_limit`: it is closed, not used."""
+        limit = self.idle_limit
+        if limit is None or conn.streams or trio.current_time() - conn.idle_at < limit:
+            return False
+        conn.close()
+        return True
 
     def _free(self, avoid: H2ClientConnection | None = None) -> H2ClientConnection | None:
         for conn in self.connections:
-            if conn.has_slot and conn is not avoid:
+            if conn.has_slot and conn is not avoid and not (self.idle_limit is not None and self._stale(conn)):
                 return conn
         return None
 
@@ -105,8 +160,8 @@ class _H2Pool:
         """
         while True:
             fallback = None
-            for conn in self.connections:
-                if conn.has_slot:
+            for conn in tuple(self.connections):
+                if conn.has_slot and not (self.idle_limit is not None and self._stale(conn)):
                     if conn is not avoid:
                         return conn
                     fallback = conn
@@ -241,9 +296,15 @@ class _H2Pool:
                         return await conn.response(st)
                     raise UpstreamTimeout(f"no response from {self.address} within {timeout}s")
                 except _Refused as exc:
-                    if retry or (upload is not None and not upload.replayable):
-                        why = "again, on another connection" if retry else "after the request body started"
-                        raise UpstreamProtocolError(f"{exc}, {why}", status=503) from None
+                    # (The rules: blocks.transport.multiplexer._h2retry.)
+                    if retry or (upload is not None and not upload.replayable) or not exc.retryable(request.method):
+                        if retry:
+                            why = "again, on another connection"
+                        elif exc.maybe_processed and not exc.retryable(request.method):
+                            why = f"and {request.method.decode(errors='replace')} is not sent twice"
+                        else:
+                            why = "after the request body started"
+                        raise UpstreamProtocolError(f"{exc}, {why}", status=exc.status) from None
                     avoid = conn
                     self.retries += 1
             raise AssertionError("unreachable")

@@ -1,0 +1,175 @@
+"""What one process of the chain runs, checked before anything starts: :class:`ChainPlan`.
+
+The chain recipe (``recipes/chain.py``) turns its flags and config file into
+a plan; the plan says, in one place, which flags go with which role (a
+wrong combination is a ``ValueError`` naming the flag, before anything
+listens) and builds the parts in a :class:`~blocks.topology.Chain`, back to
+front: the replicas beside each worker, the workers, the proxies, the edge.
+
+Several of each hop: ``workers`` and ``proxies`` in one process (the
+edge spreads over the proxies, each proxy routes every replica behind
+each worker), ``next_hops`` for a process that runs one role (an edge's
+proxies, a proxy's workers), and ``route_source``, an etcd where a fleet's
+hops find each other without restarts: a worker registers the replicas
+beside it with its own address, a proxy registers itself, an edge follows
+the proxies registered there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from blocks.hops import ProxyConfig
+from blocks.routing import Address
+from blocks.scheduler import SchedulerConfig
+from blocks.sources import EtcdSource
+from blocks.topology._chain import Chain
+from blocks.topology._records import LOOPBACK, App, replica_from_url
+from blocks.transport.multiplexer import UpstreamConfig
+
+ROLES = ("chain", "edge", "proxy", "worker")
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+@attrs.frozen(kw_only=True)
+class ChainPlan:
+    """The parts one process of the chain runs (``role``), and how they reach each other.
+
+    ``role``: ``chain`` (every hop), or one of ``edge``, ``proxy``,
+    ``worker``. ``replicas``: demo replicas beside each worker of a chain
+    (none behind ``replica_urls``, your servers, routed as the app ``demo``
+    for every domain; ``apps`` adds apps of their own). ``workers`` /
+    ``proxies``: how many of each a chain runs; ``next_hops``: a role's own
+    (an edge's proxies, a proxy's workers). ``name``: a role's hop name.
+    ``route_source``: the fleet's etcd (the proxy's routes; a worker and a
+    proxy register there, at ``advertise`` or where they listen; an edge
+    finds the proxies there). ``options``: each hop's keywords from the
+    config file; ``reread``: new ``replica_urls`` and ``apps`` on reload.
+    Every other field is the flag of the same name (docs/recipes.md).
+    """
+
+    role: str = attrs.field(default="chain", validator=attrs.validators.in_(ROLES))
+    host: str = LOOPBACK
+    port: int = 0
+    replicas: int = 2
+    replica_protocol: str = "h2"
+    replica_timeout: float = 30.0
+    replica_ca: Path | None = None
+    replica_urls: Sequence[str] = ()
+    apps: Mapping[str, App] | None = None
+    tls: bool = False
+    cert: Path | None = None
+    key: Path | None = None
+    cert_dir: Path | None = None
+    scheduler: SchedulerConfig | None = None
+    routes_file: Path | None = None
+    next_hops: Sequence[Address] = ()
+    proxies: int = 1
+    workers: int = 1
+    name: str | None = None
+    advertise: Address | None = None
+    route_source: str | None = None
+    options: Mapping[str, Mapping[str, Any]] | None = None
+    reread: Callable[[], object] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        role, routed = self.role, bool(self.replica_urls or self.apps)
+        if not self.next_hops and (
+            (role == "edge" and not self.route_source)
+            or (role == "proxy" and (routed or not (self.route_source or self.routes_file)))
+        ):
+            raise ValueError(f"--role {role}" + (" with --replica or apps" if routed else "") + " needs --next-hop")
+        if role != "chain" and max(self.proxies, self.workers) > 1:
+            raise ValueError(f"--proxies and --workers are for --role chain; run one --role {role} process each")
+        if role == "chain" and self.name is not None:
+            raise ValueError("--name names the hop of a --role edge, proxy or worker process")
+        if role == "worker" and routed and not self.route_source:
+            raise ValueError("--role worker registers its --replica servers in the etcd of --route-source")
+        if self.route_source and role in ("worker", "proxy") and self.host in _WILDCARDS and not self.advertise:
+            raise ValueError(f"--role {role} --host {self.host} registers in --route-source: say where, --advertise")
+
+    def _options(self, hop: str) -> dict[str, Any]:
+        return {"port": self.port if self.role == hop else 0, **(self.options or {}).get(hop, {})}
+
+    def _yours(self, urls: Sequence[str], apps: Mapping[str, App] | None) -> dict[str, App]:
+        """Your servers as the app ``demo`` (every domain), and ``apps``."""
+        yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(urls)}
+        return {"demo": App(("*",), yours), **(apps or {})} if yours else dict(apps or {})
+
+    async def build(self, chain: Chain) -> None:
+        """Start this plan's parts in ``chain``, back to front (what :func:`~blocks.topology.serve_chain` calls)."""
+        role = self.role
+        chain.front = "edge" if role == "chain" else role  # (where the access log goes, unless told)
+        behind = list(self.next_hops)  # the proxies' workers
+        if role in ("chain", "worker"):
+            behind += await self._start_workers(chain)
+        if role in ("chain", "proxy"):
+            await self._start_proxies(chain, behind)
+        if role in ("chain", "edge"):
+            await chain.start_edge(
+                port=self.port,
+                proxies=self.next_hops,
+                proxies_from=EtcdSource(self.route_source) if self.route_source and role == "edge" else None,
+                name=self.name or "edge",
+                tls=self.tls,
+                cert=self.cert,
+                key=self.key,
+                cert_dir=self.cert_dir,
+                upstream=UpstreamConfig(response_timeout=self.replica_timeout + 10),
+            )
+
+    async def _start_workers(self, chain: Chain) -> list[Address]:
+        """Each worker beside its own demo replicas (``replica-I@worker-J`` when there are several)."""
+        demo = range(self.replicas if self.role == "chain" and not self.replica_urls else 0)
+        # A pooled connection to a replica idles out before common servers' keep-alive (Hypercorn's
+        # and uvicorn's 5 s) closes it under a request it could not resend.
+        upstream = UpstreamConfig(response_timeout=self.replica_timeout, ca_file=self.replica_ca, h2_idle_timeout=4.0)
+        addresses = []
+        for j in range(1, self.workers + 1):
+            named = f"replica-{{}}@worker-{j}" if self.workers > 1 else "replica-{}"
+            local = {
+                named.format(i): await chain.start_replica(named.format(i), protocol=self.replica_protocol)
+                for i in demo
+            }
+            worker = self.name or (f"worker-{j}" if self.workers > 1 else "worker")
+            server, _ = await chain.start_worker(
+                local, app=None, upstream=upstream, name=worker, **self._options("worker")
+            )
+            addresses.append((self.host, server.port))
+            if local:
+                chain.route({"demo": App(("*",), local)}, worker=addresses[-1], layer=worker)
+            if self.role == "worker" and self.route_source:  # the replicas beside it, for every proxy of the fleet
+                fleet = self._yours(self.replica_urls, self.apps)
+                await chain.register_replicas(
+                    EtcdSource(self.route_source), fleet, worker=self.advertise or addresses[-1]
+                )
+        return addresses
+
+    async def _start_proxies(self, chain: Chain, workers: list[Address]) -> None:
+        """The proxies, sharing one route cache: your replicas behind each worker, the route file, etcd."""
+
+        def route(urls: Sequence[str], apps: Mapping[str, App] | None) -> None:
+            if workers:
+                chain.route({"demo": App(("*",), {}), **self._yours(urls, apps)}, workers=workers)
+
+        route(self.replica_urls, self.apps)
+        if self.reread is not None:
+            reread = self.reread
+            chain.on_reload(lambda: route(*attrgetter("replica_urls", "apps")(reread())))
+        if self.routes_file is not None:
+            chain.follow_route_file(self.routes_file)
+        source = EtcdSource(self.route_source) if self.route_source else None
+        upstream = UpstreamConfig(response_timeout=self.replica_timeout + 5)  # > the worker's: its 504 shows
+        for k in range(1, self.proxies + 1):
+            config = ProxyConfig(name=self.name or (f"proxy-{k}" if self.proxies > 1 else "proxy"))
+            options = self._options("proxy")
+            await chain.start_proxy(
+                source=source, scheduler=self.scheduler, upstream=upstream, config=config, **options
+            )
+        if self.role == "proxy" and source is not None:  # known to every edge that follows the etcd
+            await chain.register_proxy(source, address=self.advertise or (self.host, chain.proxy_server.port))
