@@ -158,7 +158,7 @@ async def test_the_final_goaway_follows_the_ping_ack_and_names_the_race_stream(n
         assert arrivals == [b"/hold", b"/"]
 
 
-async def test_the_pool_in_front_answers_the_ping_and_finishes_its_stream(nursery: trio.Nursery) -> None:
+async def test_the_pool_in_front_finishes_its_stream_across_the_goaway_and_the_ping(nursery: trio.Nursery) -> None:
     """The hop in front of a draining hop is proxyblocks' own pool (``open_upstreams``, what every
     hop sends with): its stream in flight across the GOAWAY and the PING finishes (200, whole), and
     the connection ends once that stream is done, not ``drain_goaway_delay`` later (set far beyond
