@@ -12,7 +12,8 @@
 - :func:`run_until_signal`: a command's ``trio.run``: SIGINT or SIGTERM
   drains, a second stops at once, SIGHUP reloads. With ``--processes N``
   (N > 1) it runs a supervising parent instead, which starts the same
-  command N times on one shared port (docs/scale.md).
+  command N times on one shared port, and SIGUSR2 restarts them in turn
+  with nothing lost (docs/scale.md).
 - ``type=`` checkers for flags: :func:`port_number`, :func:`at_least`,
   :func:`seconds`, :func:`between`.
 """
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -38,6 +40,7 @@ import trio
 
 from blocks.observe import LEVELS as _LOG_LEVELS
 from blocks.observe import configure_logging
+from blocks.transport.listener import inherit_listener
 from blocks.transport.streams import CODECS as _CODECS
 from blocks.transport.streams import CodecUnavailable, use_codec
 
@@ -78,13 +81,15 @@ class Operations:
 
 @attrs.frozen
 class _Supervised:
-    """What a supervising parent tells each child it starts (``PROXYBLOCKS_PROCESS=INDEX COUNT FD``):
-    its index, how many there are, and the file descriptor of its link to the parent (a Unix socket:
-    the child reports on it, and reads end-of-file when the parent is gone)."""
+    """What a supervising parent tells each child it starts (``PROXYBLOCKS_PROCESS=INDEX COUNT FD
+    LISTENING``): its index, how many there are, the file descriptor of its link to the parent (a
+    Unix socket: the child reports on it, and reads end-of-file when the parent is gone) and that of
+    the listening socket it serves (the parent's, shared with its replacement: docs/scale.md), if any."""
 
     index: int
     count: int
     fd: int
+    listening: int | None = None
 
 
 SUPERVISED_VARIABLE = "PROXYBLOCKS_PROCESS"
@@ -97,16 +102,23 @@ def _supervised() -> _Supervised | None:
     """This process's place under a supervising parent, or None; read once (and removed from the
     environment, so that a process this one starts is not taken for a supervised one)."""
     words = os.environ.pop(SUPERVISED_VARIABLE, "").split()
-    if len(words) != 3 or not all(word.isdigit() for word in words):
+    if len(words) not in (3, 4) or not all(word.isdigit() for word in words):
         return None
-    index, count, fd = map(int, words)
+    index, count, fd, *rest = map(int, words)
     if index >= count:
         return None
     try:  # (inherited to be had here: a process this one starts must not hold the link open)
         os.set_inheritable(fd, False)
     except OSError:  # no such descriptor: no parent to report to
         return None
-    return _Supervised(index, count, fd)
+    listening = rest[0] if rest else None
+    if listening is not None:
+        try:  # (nor the listening socket: a process this one starts would keep its queue alive)
+            os.set_inheritable(listening, False)
+            inherit_listener(socket.socket(fileno=listening))
+        except OSError:
+            listening = None
+    return _Supervised(index, count, fd, listening)
 
 
 def _whole_lines(*streams: object) -> None:
@@ -417,10 +429,13 @@ def run_until_signal(
     becomes a supervising parent instead (docs/scale.md): it binds
     ``listen`` (host, port; port 0 picks one) with ``SO_REUSEPORT`` and keeps
     it, starts the same command line N times on that port, restarts a
-    process that dies (with backoff), forwards SIGHUP to all, drains all on
-    SIGINT or SIGTERM, and serves the merged admin listener on
-    ``operations.admin_port``. Each of those processes runs ``start``
-    here, reporting to the parent instead of printing these lines.
+    process that dies (with backoff), forwards SIGHUP to all, restarts all
+    in turn on SIGUSR2 (each replaced before it is drained: nothing is
+    lost), drains all on SIGINT or SIGTERM, and serves the merged admin
+    listener on ``operations.admin_port``. Each of those processes runs
+    ``start`` here, reporting to the parent instead of printing these lines
+    (SIGUSR2 to one of them asks the parent to restart that one). SIGUSR2
+    to a process on its own prints one line on stderr and does nothing.
 
     Every line the command prints is one write (:func:`_whole_lines`): the
     parent and its processes share stdout and stderr.
@@ -487,6 +502,19 @@ async def _reload(reload: Callable[[], Awaitable[None]], lock: trio.Lock, slot: 
                 print("reloaded", flush=True)
 
 
+def _restart_asked(slot: _Supervised | None) -> None:
+    """SIGUSR2: a supervised process asks its parent to restart it (a replacement first); a process
+    on its own has no one to take its traffic meanwhile, and says so."""
+    if slot is not None:
+        _report(slot, restart=os.getpid())
+    else:
+        print(
+            "proxyblocks: SIGUSR2 restarts a process of --processes N; this command runs one: ignored",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 _PARENT_GONE = 0
 """What :func:`_parent_gone` puts among the signals: not a signal (none is numbered 0)."""
 
@@ -510,7 +538,7 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
         if slot is None:  # (a supervised process's parent says it, once for all)
             print(line, flush=True)
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as received:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2) as received:
         async with trio.open_nursery() as nursery:
             send, signals = trio.open_memory_channel[int](math.inf)
 
@@ -529,7 +557,7 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
             async def second() -> None:
                 nonlocal code, signalled
                 async for signum in signals:
-                    if signum in (signal.SIGHUP, _PARENT_GONE):
+                    if signum in (signal.SIGHUP, signal.SIGUSR2, _PARENT_GONE):
                         continue
                     if not signalled:  # the first signal: the parent's end began the drain
                         signalled = True
@@ -553,6 +581,9 @@ async def _until_signal(start: Callable[..., Awaitable[None]], grace: float, slo
             reload: Callable[[], Awaitable[None]] | None = getattr(target, "reload", None)
             reloads = trio.Lock()
             async for signum in signals:
+                if signum == signal.SIGUSR2:
+                    _restart_asked(slot)
+                    continue
                 if signum != signal.SIGHUP:
                     signalled = signum != _PARENT_GONE
                     break

@@ -441,7 +441,7 @@ if "PROXYBLOCKS_PROCESS" not in os.environ:  # the parent, as run_until_signal m
 
     operations = Operations(processes=2, start_timeout=start_timeout)
     sys.exit(supervise(operations, ("127.0.0.1", 0), grace=grace, stop_margin=0.5))
-index, _, link = map(int, os.environ["PROXYBLOCKS_PROCESS"].split())
+index, _, link, *_ = map(int, os.environ["PROXYBLOCKS_PROCESS"].split())
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 os.write(1, f"child {index} pid {os.getpid()}\\n".encode())  # (one write: the two children share stdout)
 if mode == "deaf" or index == 0:  # "deaf": serves, and ignores SIGTERM; "silent": process 1 never serves

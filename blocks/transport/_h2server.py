@@ -11,10 +11,15 @@ alone, ended in one place, :meth:`~blocks.transport._h2requests.RequestChecks.ma
 without END_STREAM if no response started, then RST_STREAM(PROTOCOL_ERROR),
 whatever made it malformed and whatever path it took.
 
-Drain: GOAWAY(2^31-1) at once, so the client stops opening streams; after
-``drain_goaway_delay`` a second GOAWAY names the last stream we will serve,
-and later streams are refused; the connection closes when the last stream
-is done.
+Drain (RFC 9113 6.8, graceful shutdown): GOAWAY(2^31-1) at once, so the
+client stops opening streams, and a PING right behind it. The client
+answers the PING after whatever it sent before it read the GOAWAY (one
+byte stream: TCP keeps the order), so once the ACK is in, every stream the
+client opened in the race is in too: the final GOAWAY then names the
+highest of them, and streams above it are refused (REFUSED_STREAM: never
+processed, safe to retry). A client that does not answer PINGs gets the
+final GOAWAY ``drain_goaway_delay`` after the first. The connection closes
+once the final GOAWAY is out and the last stream is done.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ _UNLIMITED = 2**62  # a limit set to None
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """The client connection preface (RFC 9113 3.4)."""
+
+_DRAIN_PING = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"drain\x00\x00\x00"
+"""The PING sent behind the drain's first GOAWAY (length 8, type PING, no flags, stream 0, 8 bytes of
+opaque data), written beside the codec as the GOAWAY is: its ACK says the client read the GOAWAY."""
 
 
 def _abuse_reason(message: str) -> str:
@@ -115,6 +124,9 @@ class H2ServerConnection(RequestChecks):
         self.draining = False
         self._last_stream_id: int | None = None  # set by the final GOAWAY
         self._final_goaway_sent = False
+        self._guard = guard
+        self._ping_acks: int | None = None  # while the drain waits for its PING's ACK: the count before it
+        self._ping_answered = trio.Event()
         self.max_streams = config.max_concurrent_streams
         self.body_limit = config.max_request_body
         self.count_body = config.validate or self.body_limit is not None
@@ -207,6 +219,8 @@ class H2ServerConnection(RequestChecks):
     def _receive(self, data: bytes | bytearray) -> None:
         try:
             events = self.h2.receive_data(data)
+            if self._ping_acks is not None and self._guard.ping_acks > self._ping_acks:
+                self._ping_answered.set()  # (after the streams of this read: _final_goaway runs later)
         except ProtocolError as exc:
             # The codec queued a GOAWAY with the right error code; flush it and go.
             log.debug("h2 protocol error from %s: %s", self.client, exc)
@@ -461,11 +475,15 @@ class H2ServerConnection(RequestChecks):
         if self.closed:
             return
         self.send_graceful_goaway(2**31 - 1)
+        self._ping_acks = self._guard.ping_acks
+        self._queue(_DRAIN_PING)
         assert self._nursery is not None
         self._nursery.start_soon(self._final_goaway)
 
     async def _final_goaway(self) -> None:
-        await trio.sleep(self.config.drain_goaway_delay)
+        with trio.move_on_after(self.config.drain_goaway_delay):
+            await self._ping_answered.wait()
+        self._ping_acks = None
         if self.closed:
             return
         # Streams the client opened until now are served; later ones are refused.

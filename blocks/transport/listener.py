@@ -19,13 +19,17 @@ Guarantees:
   stream does can break its connection's other streams.
 - :meth:`HTTPServer.drain` stops accepting, sends h2 clients a GOAWAY and
   h1 clients ``connection: close``, lets requests in flight finish, and
-  cancels what is left at the deadline.
+  cancels what is left at the deadline. A connection accepted is always
+  answered, and what waits in a listening socket's queue when the drain
+  begins is accepted and answered before the socket closes (docs/listener.md).
 """
 
 from __future__ import annotations
 
-import functools
+import errno
 import logging
+import os
+import socket
 import ssl
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +110,10 @@ class ListenerConfig:
     first_bytes_timeout: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     h1_idle_timeout: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
     close_timeout: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
-    drain_goaway_delay: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
+    drain_goaway_delay: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
+    """h2 drain: the longest the final GOAWAY waits for the client's ACK of the PING sent with the
+    first GOAWAY (RFC 9113 6.8: the ACK comes after every stream the client opened in the race); a
+    client that answers is sent it one round trip after the first, one that does not, after this."""
     hpack_huffman: bool = False
     enable_connect_protocol: bool = True
     """h2: advertise ``SETTINGS_ENABLE_CONNECT_PROTOCOL`` (RFC 8441), so that
@@ -125,7 +132,8 @@ class ListenerConfig:
     """Bind with ``SO_REUSEPORT`` (Linux, the BSDs): several processes, each with a listener of its
     own on the same port, share its connections (the kernel spreads them across the processes that
     accept). Every socket bound to the port must set it; the first address ``host`` resolves to is
-    bound (one listener, not one per address)."""
+    bound (one listener, not one per address). A socket handed down by :func:`inherit_listener`
+    and bound to that address is served instead of a new one (a supervising parent's)."""
 
 
 @attrs.frozen
@@ -164,6 +172,7 @@ class HTTPServer:
     _accept_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _conn_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _idle: trio.Event = attrs.field(factory=trio.Event)
+    _accept_done: bool = False
 
     @property
     def scheme(self) -> str:
@@ -191,8 +200,7 @@ class HTTPServer:
         self._accept_scope.cancel()
         for conn in list(self._connections):
             conn.drain()
-        if not self._connections:
-            self._idle.set()
+        self._check_idle()
 
     async def aclose(self, grace: float = 10.0) -> None:
         """Drain, wait up to ``grace`` seconds for requests in flight, then cancel the rest."""
@@ -201,34 +209,93 @@ class HTTPServer:
             await self._idle.wait()
         self._conn_scope.cancel()
 
+    def _check_idle(self) -> None:
+        # Idle: draining, no connection, and the accept loops are over (no connection accepted just
+        # as the drain began is still on its way to its handler).
+        if self.draining and self._accept_done and not self._connections:
+            self._idle.set()
+
     async def _serve(self, listeners: list[trio.SocketListener], task_status: trio.TaskStatus[HTTPServer]) -> None:
         with self._conn_scope:
             async with trio.open_nursery() as conn_nursery:
-                with self._accept_scope:
-                    async with trio.open_nursery() as accept_nursery:
-                        await accept_nursery.start(
-                            functools.partial(
-                                trio.serve_listeners, self._handle, listeners, handler_nursery=conn_nursery
-                            )
-                        )
-                        task_status.started(self)
-                # Draining: serve_listeners closed the listeners on its way out;
-                # the nursery returns once every connection has finished.
+                try:
+                    with self._accept_scope:
+                        async with trio.open_nursery() as accept_nursery:
+                            for listener in listeners:
+                                accept_nursery.start_soon(self._accept, listener, conn_nursery)
+                            task_status.started(self)
+                finally:
+                    for listener in listeners:  # (each closed by its loop, or here if it never ran)
+                        await trio.aclose_forcefully(listener)
+                # Draining: the listeners are closed; the nursery returns once every connection has finished.
+                self._accept_done = True
+                self._check_idle()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _accept(self, listener: trio.SocketListener, conn_nursery: trio.Nursery) -> None:
+        """Accept on ``listener`` until the drain cancels it (then close it).
+
+        Each connection is counted the moment it is accepted, in this task, not once its handler
+        runs: a drain that begins in between still finds it, drains it as it starts (its first
+        request is served: h2 answers it with GOAWAY, h1 with ``connection: close``), and waits for
+        it. A connection accepted is never dropped unanswered. Capacity errors (out of file
+        descriptors, of memory) wait 0.1 s and try again, as ``trio.serve_listeners`` does.
+
+        Closing a listening socket resets the connections waiting in its accept queue (when it is
+        the socket's last descriptor), so the drain first accepts every one of them (:meth:`_sweep`),
+        with nothing between that and the close. A socket shared with a replacement (inherited from
+        a supervising parent) would keep them; sweeping it too costs a few connections a GOAWAY, and
+        saves them when the whole command stops.
+        """
+        async with listener:
+            try:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                            raise
+                        log.warning("accept failed (%s); trying again in 0.1 s", os.strerror(exc.errno))
+                        await trio.sleep(0.1)
+                        continue
+                    self._adopt(stream, conn_nursery)
+            except trio.Cancelled:
+                if self.draining:
+                    self._sweep(listener, conn_nursery)
+                raise
+
+    def _adopt(self, stream: trio.SocketStream, conn_nursery: trio.Nursery) -> None:
         self._accepted += 1
         handle = _Connection(self, stream)
         self._connections.add(handle)
+        if self.draining:
+            handle.drain()
+        conn_nursery.start_soon(self._handle, handle)
+
+    def _sweep(self, listener: trio.SocketListener, conn_nursery: trio.Nursery) -> None:
+        """Accept, without waiting, every connection in ``listener``'s queue (at most its backlog):
+        each is served as a drained one."""
+        queue = socket.socket(fileno=os.dup(listener.socket.fileno()))  # (a descriptor of our own, to accept on)
+        with queue:
+            while True:
+                try:
+                    accepted, _ = queue.accept()
+                except OSError:  # (BlockingIOError: nothing left)
+                    return
+                self._adopt(trio.SocketStream(trio.socket.from_stdlib_socket(accepted)), conn_nursery)
+
+    async def _handle(self, handle: _Connection) -> None:
         try:
             await handle.run()
         except Exception:
             log.exception("connection failed")
         finally:
             self._connections.discard(handle)
-            if self.draining and not self._connections:
-                self._idle.set()
+            self._check_idle()
             with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(stream)
+                await trio.aclose_forcefully(handle.stream)
+
+
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class _Connection:
@@ -352,7 +419,10 @@ async def serve_http(
     if ssl_context is not None:
         ssl_context.set_alpn_protocols(["h2", "http/1.1"])
     try:
-        if config.reuse_port:
+        inherited = _take_inherited(host, port) if config.reuse_port else None
+        if inherited is not None:
+            listeners = [inherited]
+        elif config.reuse_port:
             listeners = [await _open_shared_listener(host, port, backlog=1024)]
         else:
             listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
@@ -364,9 +434,38 @@ async def serve_http(
     await server._serve(listeners, task_status)
 
 
+_inherited: list[socket.socket] = []
+
+
+def inherit_listener(sock: socket.socket) -> None:
+    """Hand this process a listening socket it inherited (a supervising parent's, see
+    docs/scale.md): the first listener with ``reuse_port`` on the address it is bound to serves it
+    instead of binding a socket of its own, and closes it when it stops accepting. The socket's
+    accept queue is then shared with every other process that holds it: what one stops accepting,
+    another accepts, and nothing queued is reset while one of them holds it."""
+    _inherited.append(sock)
+
+
+def _take_inherited(host: str, port: int) -> trio.SocketListener | None:
+    """The inherited listening socket bound to the first address ``host:port`` resolves to, if any."""
+    if not _inherited:
+        return None
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    for sock in _inherited:
+        try:
+            bound = sock.getsockname()
+        except OSError:
+            continue
+        if sock.family == family and bound[:2] == address[:2]:
+            _inherited.remove(sock)
+            return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    return None
+
+
 async def _open_shared_listener(host: str, port: int, *, backlog: int) -> trio.SocketListener:
     """One listening socket on ``host:port`` bound with ``SO_REUSEPORT`` (and ``SO_REUSEADDR``,
-    as trio's own listeners): what ``ListenerConfig.reuse_port`` asks for."""
+    as trio's own listeners): what ``ListenerConfig.reuse_port`` asks for, unless a socket bound
+    there was inherited."""
     found = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM, flags=trio.socket.AI_PASSIVE)
     if not found:  # (getaddrinfo raises instead, in practice)
         raise OSError(f"no address for {host}")
@@ -389,5 +488,6 @@ __all__ = [
     "HTTPServer",
     "ListenerConfig",
     "ServerStatistics",
+    "inherit_listener",
     "serve_http",
 ]

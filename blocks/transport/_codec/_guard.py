@@ -74,6 +74,8 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         self._control = 0  # control frames since _since
         self._since = time.monotonic()
         self._first = True
+        self.ping_acks = 0
+        """PING ACKs received: the server's drain waits for the one that answers its PING (RFC 9113 6.8)."""
 
     def __next__(self) -> Any:
         data = self._data
@@ -98,14 +100,15 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
             kind,
             len(f.data) if kind <= 1 or kind == 9 else 0,
             "END_STREAM" in flags or "END_HEADERS" in flags,
-            "ACK" in flags if self._first else False,
+            "ACK" in flags if self._first or kind == 0x6 else False,
         )
         return super()._update_header_buffer(f)
 
     def check(self, kind: int, length: int, ends: bool, ack: bool = False) -> None:
         """One frame against the limits, from its header: its ``kind`` (type), the ``length`` of what it
         carries (a DATA payload or header-block fragment, padding and priority fields not counted),
-        whether it ``ends`` a stream or a header block, whether it is an ``ack``.
+        whether it ``ends`` a stream or a header block, whether it is an ``ack`` (a SETTINGS or PING
+        ACK; a PING ACK counts in :attr:`ping_acks`).
 
         Every codec's server calls it once per frame received, before acting on the frame.
         """
@@ -134,6 +137,8 @@ class GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
                 if self._empty > self.max_empty:
                     raise h2.exceptions.DenialOfServiceError(f"more than {self.max_empty} empty frames in a row")
         elif kind in _CONTROL_FRAMES or kind > 9:
+            if ack and kind == 0x6:
+                self.ping_acks += 1
             self.control_frame()
 
     def control_frame(self) -> None:

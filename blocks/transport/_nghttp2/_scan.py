@@ -140,7 +140,7 @@ class Scan:
                     carried -= 5
                 ends = bool((kind != 9 and flags & 0x1) or (kind and flags & 0x4))
             try:
-                guard.check(kind, max(carried, 0), ends, bool(flags & 0x1) if kind == 4 else False)
+                guard.check(kind, max(carried, 0), ends, bool(flags & 0x1) if kind in (4, 6) else False)
                 if interrupted:  # (RFC 9113 6.10, found first, as hyper-h2 finds it before the stream's state)
                     raise NgProtocolError(f"a frame inside the header block of stream {sid & 0x7FFFFFFF}")
                 if kind <= 3 and (kind or flags & 0x1 or sid not in heads or sid in peer_reset or sid in ended):
