@@ -1,6 +1,6 @@
 """No single point of failure, as deployed: a process per hop, several of each, faults in the middle of load.
 
-The fleet (:class:`~blocks.testing._fleet.ProcessFleet`): an edge in front of
+The fleet (:class:`~blocks.testing.ProcessFleet`): an edge in front of
 2 proxies, each routing every replica behind each of 2 workers; the
 replicas are 2 Hypercorn h2c servers (not this project's code) and 2 demo
 replicas, each a process. A pooled HTTP/2 client sends a steady load through
