@@ -1,4 +1,4 @@
-"""A one-waiter wake-up flag for the hot path.
+"""A one-waiter wake-up flag for the hot path, and a steady ticker for background rounds.
 
 ``trio.Event`` costs a ParkingLot and an allocation per round; the data path
 wakes a task several times per request (writer flushes, body chunks, window
@@ -10,7 +10,7 @@ from the one owner, auto-reset on wake, cancellable.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 
@@ -72,3 +72,20 @@ def one_error() -> Iterator[None]:
             raise error
         finally:
             error.__context__ = context
+
+
+async def every(interval: float, step: Callable[[], Awaitable[object]], *, first: float = 0.0) -> None:
+    """Await ``step()`` every ``interval`` seconds, the first ``first`` seconds from now, until cancelled.
+
+    The ticks are fixed: a step that overran skips the ticks it missed,
+    never bursting to catch up.
+    """
+    deadline = trio.current_time() + first
+    await trio.sleep_until(deadline)
+    while True:
+        await step()
+        deadline += interval
+        now = trio.current_time()
+        if deadline < now:
+            deadline = now
+        await trio.sleep_until(deadline)

@@ -86,7 +86,7 @@ from blocks.transport.multiplexer import Upstreams
 from blocks.transport.streams import H2Driver, H2Stream, TappedBody, Tee, tap_splice
 
 if TYPE_CHECKING:
-    from blocks.routing import Replica
+    from blocks.routing import Replica, RetryBudget
     from blocks.tokens import TokenClaims
 
 log = logging.getLogger("blocks.hops")
@@ -378,6 +378,10 @@ class Hop:
     ) -> None:
         self.name = name
         self._name = name.encode()
+        self.retried = 0
+        """Requests this hop sent to another upstream (:meth:`retry`)."""
+        self.retries_refused = 0
+        """Retries its retry budget refused (the original error was answered)."""
         self.upstreams = upstreams
         self.features = tuple(features)
         self.admission = admission
@@ -418,6 +422,29 @@ class Hop:
         """An error came back (``status``, ``headers``) for a request nothing of which was sent on: where
         to send it instead (already dispatched there), or None to answer the error. Once per exchange."""
         return None
+
+    def send_elsewhere(
+        self,
+        exchange: Exchange,
+        status: int,
+        headers: Headers,
+        route: Callable[[], Forward],
+        budget: RetryBudget | None,
+    ) -> Forward | None:
+        """For :meth:`retry`: send ``exchange`` where ``route()`` says instead, if ``budget`` has a
+        retry (else None, counted in ``retries_refused``). The failure (``status``, ``headers``)
+        reaches the ``response`` hooks and ``closed`` gives back what ``dispatched`` took, both for
+        the first upstream; then ``route()`` (which notes the new one) and its ``dispatched`` run;
+        counted in ``retried``."""
+        if budget is not None and not budget.try_retry(self.clock()):
+            self.retries_refused += 1
+            return None
+        exchange.failed(status, headers)
+        exchange.undispatch()
+        forward = route()
+        exchange.dispatch(forward)
+        self.retried += 1
+        return forward
 
     def resendable(self, exchange: Exchange, headers: Headers, *, passed_on: bool = False) -> bytes | None:
         """The reason of an error head that lets this hop send the request elsewhere, or None.

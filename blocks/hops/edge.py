@@ -227,8 +227,6 @@ class Edge(Hop):
         self.to_proxy = ToProxy(config, next_hops)
         super().__init__(config.name, upstreams, [*features, self.to_proxy])
         self.config = config
-        self.retried = 0
-        self.retries_refused = 0
 
     def upstream_headers(self, request: Request) -> Headers:
         """The request's fields as the proxy will see them (:func:`forwarded_headers`)."""
@@ -254,16 +252,8 @@ class Edge(Hop):
         hop = self.to_proxy.alternative(exchange, failed)
         if hop is None:
             return None
-        budget = self.to_proxy.budget
-        if budget is not None and not budget.try_retry(self.clock()):
-            self.retries_refused += 1
-            return None
-        exchange.failed(status, headers)
-        exchange.undispatch()
-        forward = self.to_proxy.forward(exchange, hop)
-        exchange.dispatch(forward)
-        self.retried += 1
-        return forward
+        route = functools.partial(self.to_proxy.forward, exchange, hop)
+        return self.send_elsewhere(exchange, status, headers, route, self.to_proxy.budget)
 
 
 async def serve_edge(

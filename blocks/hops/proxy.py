@@ -430,8 +430,6 @@ class Proxy(Hop):
         admission = Admission(scheduler, tenant_key) if scheduler is not None else None
         super().__init__(name, upstreams, stack, admission=admission, clock=clock)
         self.scheduler = scheduler
-        self.retried = 0
-        self.retries_refused = 0
         self.health_checker: HealthChecker | None = None
         """The health checker feeding ``outliers``, when :func:`serve_proxy` runs one."""
 
@@ -463,16 +461,8 @@ class Proxy(Hop):
         replica = self.router.alternative(exchange, failed, other_worker=worker_failed)
         if replica is None:
             return None
-        budget = self.retry_budget
-        if budget is not None and not budget.try_retry(self.clock()):
-            self.retries_refused += 1
-            return None
-        exchange.failed(status, headers)
-        exchange.undispatch()
-        forward = self.router.forward(exchange, replica)
-        exchange.dispatch(forward)
-        self.retried += 1
-        return forward
+        route = functools.partial(self.router.forward, exchange, replica)
+        return self.send_elsewhere(exchange, status, headers, route, self.retry_budget)
 
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried, self.retries_refused)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from blocks._sync import one_error
+from blocks._sync import every, one_error
 from blocks.fields import LOAD_PATH, PROBE_HEADER
 from blocks.http import Request, Response, json_response
 from blocks.prober._core import (
@@ -225,15 +225,7 @@ class Prober:
         done.set()
 
     async def _run_forever(self) -> None:
-        interval = self.config.interval
-        deadline = trio.current_time()
-        while True:
-            await self.run_round()
-            deadline += interval
-            now = trio.current_time()
-            if deadline < now:  # a late round: skip the ticks it overran, never burst
-                deadline = now
-            await trio.sleep_until(deadline)
+        await every(self.config.interval, self.run_round)
 
 
 @asynccontextmanager

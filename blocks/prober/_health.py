@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from blocks._common import finite
-from blocks._sync import one_error
+from blocks._sync import every, one_error
 from blocks.fields import HEALTH_PATH, PROBE_HEADER, REPLICA_HEADER, TARGET_HEADER
 from blocks.http import Headers, Request
 
@@ -210,16 +210,8 @@ class HealthChecker:
         done.set()
 
     async def _run_forever(self) -> None:
-        interval = self.config.interval
-        deadline = trio.current_time() + interval
-        await trio.sleep_until(deadline)  # (a hop just started has its first requests open its pools)
-        while True:
-            await self.run_round()
-            deadline += interval
-            now = trio.current_time()
-            if deadline < now:  # a late round: skip the ticks it overran, never burst
-                deadline = now
-            await trio.sleep_until(deadline)
+        # (first a tick later: a hop just started has its first requests open its pools)
+        await every(self.config.interval, self.run_round, first=self.config.interval)
 
 
 @asynccontextmanager
