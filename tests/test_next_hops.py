@@ -60,7 +60,7 @@ from blocks import (
 from blocks.errors import REASONS, RETRYABLE_REASONS
 from blocks.fields import ERROR_HEADER
 from blocks.hops.edge import next_hop, own_error
-from blocks.observe import RequestIds, served_hop
+from blocks.observe import Metrics, RequestIds, served_hop
 from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector
 from blocks.timing import parse_server_timing
 from blocks.topology import App, ChainPlan
@@ -708,3 +708,26 @@ async def test_a_request_cut_as_its_proxy_dies_goes_to_another_when_the_first_ca
                 served[result.header(b"x-served-by") or b"proxy-2"] += 1
         assert served[b"dying"] == 1  # its first, answered; its second was cut and went to proxy-2
         assert edge.retried == 1
+
+
+async def test_the_edge_s_retries_and_its_view_of_its_proxies_are_metrics(nursery: trio.Nursery) -> None:
+    # An operator sees the edge's retries and the proxy it holds out on /metrics, labelled hop=edge.
+    with trio.fail_after(20):
+        dead = (HOST, closed_port())
+
+        async def build(chain: Chain) -> None:
+            local = {"replica-0": await chain.start_replica("replica-0")}
+            server, _ = await chain.start_worker(local, app=None)
+            chain.route({"demo": App(("*",), local)}, worker=(HOST, server.port))
+            await chain.start_proxy()
+            await chain.start_edge(proxies=[dead, (HOST, chain.proxy_server.port)], features=[Metrics()])
+
+        chain: Chain = await nursery.start(serve_chain, build)
+        admin = await chain.start_admin()
+        edge = edge_of(chain.edge)
+        async with h2_client() as client:
+            while edge.retried == 0:  # ties go either way: until one request went to the dead proxy first
+                assert (await client.get(chain.url + "/")).status_code == 200
+            text = (await client.get(f"http://{HOST}:{admin.port}/metrics")).text
+        assert 'proxyblocks_proxy_retried_total{hop="edge"} 1.0' in text
+        assert f'proxyblocks_outlier_next_hop_ejected{{hop="edge",next_hop="127.0.0.1:{dead[1]}"}} 1.0' in text

@@ -14,7 +14,7 @@ from blocks.errors import RETRYABLE_REASONS, NoRoute
 from blocks.fields import INTERNAL_PREFIX
 from blocks.hops._hop import Exchange, Feature, Forward, Hop, hop_listener, own_error
 from blocks.http import Headers, Request, strip_hop_by_hop
-from blocks.prober import HealthConfig, open_health_checker
+from blocks.prober import HealthChecker, HealthConfig, open_health_checker
 from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector, Replica, RetryBudget, RetryBudgetConfig
 from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
@@ -225,6 +225,7 @@ class Edge(Hop):
         if not config.proxies and next_hops is None:
             raise ValueError("the edge needs a proxy: EdgeConfig(proxies=...), or next_hops")
         self.to_proxy = ToProxy(config, next_hops)
+        self.health_checker: HealthChecker | None = None  # (serve_edge's, checking the proxies)
         super().__init__(config.name, upstreams, [*features, self.to_proxy])
         self.config = config
 
@@ -280,7 +281,7 @@ async def serve_edge(
         if config.health is not None and detector is not None and (next_hops is not None or len(config.proxies) > 1):
             # (one proxy and no other to send to: nothing a check could change)
             proxies = edge.to_proxy.next_hops
-            await stack.enter_async_context(
+            edge.health_checker = await stack.enter_async_context(
                 open_health_checker(upstreams, lambda: [hop.worker for hop in proxies()], detector, config.health)
             )
         nursery = await stack.enter_async_context(trio.open_nursery())

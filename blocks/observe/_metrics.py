@@ -28,7 +28,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from blocks.fields import ERROR_HEADER
-from blocks.hops import Exchange, Feature, Hop, Proxy, Worker
+from blocks.hops import Edge, Exchange, Feature, Hop, Proxy, Worker
 from blocks.http import Headers
 from blocks.mirror import OUTCOMES
 from blocks.routing import RouteCache, format_address
@@ -421,17 +421,17 @@ class MetricsCollector:
         )
         retried = CounterMetricFamily(
             "proxyblocks_proxy_retried",
-            "Requests a proxy sent to another replica (the first unreachable).",
+            "Requests a hop sent to another upstream (the edge: another proxy; a proxy: another replica).",
             labels=["hop"],
         )
         refused_retries = CounterMetricFamily(
             "proxyblocks_proxy_retries_refused",
-            "Retries the proxy's retry budget refused (the original error was answered).",
+            "Retries a hop's retry budget refused (the original error was answered).",
             labels=["hop"],
         )
         hop_ejected = GaugeMetricFamily(
             "proxyblocks_outlier_next_hop_ejected",
-            "1 while a next hop (a worker) is out of selection: ejected, failing its health check, or draining.",
+            "1 while a next hop (a worker, a proxy) is out of selection: ejected, failing its check, or draining.",
             labels=["hop", "next_hop"],
         )
         ramping = GaugeMetricFamily(
@@ -446,7 +446,7 @@ class MetricsCollector:
         )
         checks = CounterMetricFamily(
             "proxyblocks_health_checks",
-            "Active health checks the proxy sent (its workers, ejected replicas through their worker).",
+            "Active health checks a hop sent (a proxy: its workers, ejected replicas; an edge: its proxies).",
             labels=["hop"],
         )
         checks_failed = CounterMetricFamily(
@@ -456,6 +456,16 @@ class MetricsCollector:
         )
         for part in parts:
             hop = part.hop
+            if isinstance(hop, Edge):
+                retried.add_metric([part.name], hop.retried)
+                refused_retries.add_metric([part.name], hop.retries_refused)
+                if hop.health_checker is not None:
+                    health = hop.health_checker.statistics()
+                    checks.add_metric([part.name], health.checks)
+                    checks_failed.add_metric([part.name], health.failed)
+                if hop.to_proxy.outliers is not None:
+                    for address in sorted(hop.to_proxy.outliers.statistics(hop.clock()).hops):
+                        hop_ejected.add_metric([part.name, format_address(address)], 1.0)
             if not isinstance(hop, Proxy):
                 continue
             retried.add_metric([part.name], hop.retried)
