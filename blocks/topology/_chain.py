@@ -362,11 +362,13 @@ class Chain:
         await self._nursery.start(run)
         self._registrations.append((scope, done))
 
-    async def register_replicas(self, source: EtcdSource, apps: Mapping[str, App], *, worker: Address) -> None:
-        """Register ``apps``' replicas in etcd as behind ``worker`` (this chain's worker at its reachable
-        address), each named ``NAME@<worker's name>``, for as long as the chain serves; their domains
-        and settings are written once (:meth:`register`)."""
-        name = self.worker.name
+    async def register_replicas(
+        self, source: EtcdSource, apps: Mapping[str, App], *, worker: Address, name: str | None = None
+    ) -> None:
+        """Register ``apps``' replicas in etcd as behind ``worker`` (a worker of this chain, ``name``,
+        by default the first, at its reachable address), each named ``NAME@<worker's name>``, for as
+        long as the chain serves; their domains and settings are written once (:meth:`register`)."""
+        name = name or self.worker.name
         records: dict[str, bytes] = {}
         for app, spec in apps.items():
             renamed = {f"{replica}@{name}": local for replica, local in spec.replicas.items()}
