@@ -56,6 +56,7 @@ import argparse
 import os
 import sys
 from functools import partial
+from typing import NamedTuple
 
 import attrs
 import trio
@@ -66,24 +67,25 @@ from blocks.observe import configure_logging
 from blocks.testing import run_child_process, serve_etcd
 from blocks.topology import App
 
+ProxyProcess = NamedTuple("ProxyProcess", [("name", str), ("url", str), ("process", trio.Process)])  # noqa: UP014
+
 
 @attrs.define(eq=False)
 class Fleet:
-    """A running fleet, as ``main`` reports it to ``task_status``: etcd, the proxy processes by name (kill
-    one, as a crash would), and the chain of its edge, workers and replicas."""
+    """What ``main`` reports: etcd, the proxies (``proxy.process.kill()``: a crash), and the rest's chain."""
 
     etcd: str
-    proxies: dict[str, trio.Process]
+    proxies: list[ProxyProcess]
     chain: Chain
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Drain the edge, then the proxies (SIGTERM), then stop the workers, the replicas and etcd."""
         await self.chain.edge.aclose(grace)
-        for process in self.proxies.values():
-            process.terminate()  # (nothing, if it has exited)
+        for proxy in self.proxies:
+            proxy.process.terminate()  # (nothing, if it has exited)
         with trio.move_on_after(grace + 2):
-            for process in self.proxies.values():
-                await process.wait()
+            for proxy in self.proxies:
+                await proxy.process.wait()
         await self.chain.shutdown(1.0)
 
 
@@ -113,7 +115,7 @@ async def main(
     task_status: trio.TaskStatus[Fleet] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start etcd (unless given), workers and replicas, their routes, the proxies, an edge; report a Fleet."""
-    started: dict[str, trio.Process] = {}
+    started: list[ProxyProcess] = []
     interval = progress_interval or (600.0 if etcd else 1.0)  # s: an idle watch silent for 3 is reopened
 
     async def build(chain: Chain) -> None:
@@ -127,7 +129,8 @@ async def main(
         for name in "abcdefghijklmnopqrstuvwxyz"[:proxies]:
             command = [sys.executable, "-m", "recipes.fleet", "--proxy", name, "--etcd", etcd]
             command += ["--progress-interval", str(interval), *(operations or Operations()).process_flags()]
-            started[name], _ = await chain.start(run_child_process, command, f"proxy {name} listening on ", name)
+            process, line = await chain.start(run_child_process, command, f"proxy {name} listening on ", name)
+            started.append(ProxyProcess(name, line.split()[4], process))
         await chain.start_edge(proxies_from=EtcdSource(etcd))  # the proxies registered there, as they come and go
 
     async with trio.open_nursery() as nursery:

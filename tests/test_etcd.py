@@ -380,9 +380,13 @@ async def test_the_fleet_recipe_shares_routes_and_no_fate(nursery: trio.Nursery)
                 while await status(proxy, "new.example") != 200:
                     await trio.sleep(0.05)
 
-            fleet.kill("a")
+            a.process.kill()  # a crash
             await a.process.wait()
             assert [await status(b, "demo.example") for _ in range(3)] == [200] * 3
+            # Through the edge, which found both proxies in etcd: every request served, by b.
+            edge = f"{fleet.chain.url}/"
+            for _ in range(6):
+                assert await curl("-o", "/dev/null", "-w", "%{http_code}", "-H", "host: demo.example", edge) == "200"
         finally:
             await fleet.shutdown(1.0)
 
