@@ -456,24 +456,18 @@ class MetricsCollector:
         )
         for part in parts:
             hop = part.hop
-            if isinstance(hop, Edge):
+            if isinstance(hop, Edge | Proxy):  # the hops that retry and check their next hops
                 retried.add_metric([part.name], hop.retried)
                 refused_retries.add_metric([part.name], hop.retries_refused)
                 if hop.health_checker is not None:
                     health = hop.health_checker.statistics()
                     checks.add_metric([part.name], health.checks)
                     checks_failed.add_metric([part.name], health.failed)
-                if hop.to_proxy.outliers is not None:
-                    for address in sorted(hop.to_proxy.outliers.statistics(hop.clock()).hops):
-                        hop_ejected.add_metric([part.name, format_address(address)], 1.0)
+            if isinstance(hop, Edge) and hop.to_proxy.outliers is not None:
+                for address in sorted(hop.to_proxy.outliers.statistics(hop.clock()).hops):
+                    hop_ejected.add_metric([part.name, format_address(address)], 1.0)
             if not isinstance(hop, Proxy):
                 continue
-            retried.add_metric([part.name], hop.retried)
-            refused_retries.add_metric([part.name], hop.retries_refused)
-            if hop.health_checker is not None:
-                health = hop.health_checker.statistics()
-                checks.add_metric([part.name], health.checks)
-                checks_failed.add_metric([part.name], health.failed)
             if hop.scheduler is not None:
                 for row in self.tenant_rows(hop):
                     name = row["name"]
