@@ -34,7 +34,7 @@ Module map: ``_core`` (sans-IO: :class:`SessionPlacer`, :class:`SessionTracker`,
 configs), ``_broker`` (the proxy's trio side).
 """
 
-from blocks.errors import SessionGone
+from blocks.errors import SessionLost
 from blocks.fields import ENDED_HEADER, SESSION_HEADER, SESSIONS_PATH
 from blocks.sessions._broker import SessionBroker, open_sessions, session_control_response
 from blocks.sessions._core import ReplicaSessions, SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
@@ -47,7 +47,7 @@ __all__ = [
     "ReplicaSessions",
     "SessionBroker",
     "SessionConfig",
-    "SessionGone",
+    "SessionLost",
     "SessionPlacer",
     "SessionStatistics",
     "SessionTicket",
