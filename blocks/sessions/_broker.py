@@ -141,7 +141,8 @@ class SessionBroker:
         if replica is None or replica.state == "down":
             return True
         lost, issued = self._lost.get(name), claims.issued_at
-        return lost is not None and issued is not None and lost >= issued + 1  # (issued_at: whole seconds)
+        # (issued_at is whole seconds: a session started in the second of the loss counts as before it)
+        return lost is not None and issued is not None and issued < lost
 
     def lost(self, replica: str) -> None:
         """``replica``'s worker answered ``session_lost`` (it could not reach it): the sessions it
@@ -215,7 +216,7 @@ class SessionBroker:
         after a wait in the app's queue (also while the app has no live replica, for one to come)."""
         placer, live = self.placer, self._live
         if not live(app) and not placer.limits(app).queue_size:
-            raise NoRoute(f"no live replica for app {app!r}")
+            raise NoRoute(f"no live replica for app {app!r}", error_reason="no_replica")
         ticket: SessionTicket | None = None
         replica = placer.reserve(app, live(app))
         refusals = 0
