@@ -83,6 +83,7 @@ from blocks.scheduler import (
     token_tenant,
 )
 from blocks.sessions import (
+    AppSessions,
     SessionConfig,
     WorkerSessionConfig,
 )
@@ -195,6 +196,7 @@ __all__ = [
     "ProberConfig",
     "HealthConfig",
     # sticky sessions
+    "AppSessions",
     "SessionConfig",
     "WorkerSessionConfig",
     # mirror tee

@@ -60,7 +60,7 @@ REASONS: dict[str, str] = {
     "cold_start_timeout": "the app had no replica, and none was ready within the cold-start timeout",
     "cold_start_full": "the app had no replica, and too many requests already waited for its cold start",
     "cold_start_failed": "the app had no replica, and its start failed (or is backed off after failures)",
-    "session_gone": "the session's replica is gone",
+    "session_lost": "the session's replica is gone or lost, or its worker no longer hosts it",
     "too_large": "the request body is over the limit",
     "not_allowed": "the method is not allowed here",
     "internal": "a hop failed handling the request",
@@ -91,7 +91,7 @@ _STATUS_REASONS = {
     400: "bad_request",
     401: "unauthorized",
     405: "not_allowed",
-    410: "session_gone",
+    410: "session_lost",
     413: "too_large",
     501: "not_allowed",
     429: "overloaded",
@@ -314,21 +314,27 @@ class ColdStartFailed(BlocksError):
         self.headers = _retry_after_headers(retry_after)
 
 
-class SessionGone(BlocksError):
-    """The session's replica is gone, or its worker no longer hosts the session: 410.
+class SessionLost(BlocksError):
+    """A session's replica is lost, or its worker no longer hosts the session: 410, or 503.
 
-    Never a silent move to another replica: the client starts a new session.
+    Never a silent move to another replica (unless the app's sessions may
+    move: ``on_replica_loss = "restart"``): the client starts a new session.
     ``reason`` goes on the wire in ``proxyblocks-session-ended``:
-    ``replica-gone`` (the replica left the routes or is ``down``) or
-    ``not-hosted`` (the worker ended the session: idle, terminated, or it
-    restarted).
+
+    - ``replica-gone`` (410, the proxy: the replica left the routes or is ``down``);
+    - ``not-hosted`` (410, the worker: it ended the session (idle, terminated,
+      its replica lost or drained), or it restarted);
+    - ``drained`` (410, the worker: its replica was drained past the maximum drain time);
+    - ``replica-unreachable`` (503, the worker: it could not reach the
+      session's replica, which took the session's state with it; the worker
+      ends every session it hosted there, so this answer comes once per session).
     """
 
     status = 410
-    error_reason = "session_gone"
+    error_reason = "session_lost"
 
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, reason: str, status: int = 410) -> None:
+        super().__init__(message, status=status, error_reason="session_lost")
         self.reason = reason
         self.headers = [(fields.ENDED_HEADER, reason.encode())]
 
@@ -405,7 +411,7 @@ __all__ = [
     "QueueFull",
     "QueueTimeout",
     "RouteFileError",
-    "SessionGone",
+    "SessionLost",
     "SourceError",
     "SourceUnavailable",
     "StreamReset",

@@ -46,8 +46,14 @@ of ``MirrorConfig.header``), so a shadow can tell a copy from live traffic.
 Read by the shadow's app, if it cares; no hop reads it."""
 
 ENDED_HEADER = b"proxyblocks-session-ended"
-"""Written by the proxy or the worker on a session's 410, for the client:
-``replica-gone`` or ``not-hosted``. (Not internal: it is meant to reach the client.)"""
+"""Written by the proxy or the worker on a ``session_lost`` answer, for the client: why
+(``replica-gone``, ``not-hosted``, ``drained``, ``replica-unreachable``; see
+:class:`~blocks.errors.SessionLost`). (Not internal: it is meant to reach the client.)"""
+
+SESSION_TOKEN_HEADER = b"proxyblocks-session-token"
+"""Written by the proxy on the response to a request of a session it restarted on another
+replica (the app's ``on_replica_loss = "restart"``): the new session token, which the client
+sends from then on (the cookie, when the app sets one, is set too). (Meant for the client.)"""
 
 ERROR_HEADER = b"proxyblocks-error"
 """Written on every error a hop answers itself, for the client: ``REASON; hop=NAME``
@@ -94,5 +100,6 @@ __all__ = [
     "ROUTED_HEADER",
     "SESSIONS_PATH",
     "SESSION_HEADER",
+    "SESSION_TOKEN_HEADER",
     "TARGET_HEADER",
 ]

@@ -42,7 +42,7 @@ from blocks import (
     serve_http,
     text_response,
 )
-from blocks.routing import AppSettings, MirrorSetting
+from blocks.routing import AppSettings, MirrorSetting, SessionSetting
 from blocks.tokens import InvalidToken, ProxyAuth
 from blocks.topology import (
     App,
@@ -240,7 +240,6 @@ def test_the_session_key_is_its_own_or_one_of_auth_and_the_verifier_holds_both()
     ("table", "names"),
     [
         ("room", ["sessions is a table"]),
-        ({}, ["apps", "needs its apps"]),
         ({"apps": ["room"], "ttl": 0}, ["ttl"]),
         ({"apps": ["room"], "ttl": "1h"}, ["ttl", "not a number"]),
         ({"apps": ["room"], "queue_size": 1.5}, ["queue_size", "whole number"]),
@@ -362,6 +361,48 @@ def test_an_apps_mirror_is_its_settings_record_and_turns_the_proxys_mirror_on() 
 def test_a_bad_app_mirror_names_the_app_and_the_key(mirror: object, names: list[str]) -> None:
     with pytest.raises((ValueError, TypeError)) as raised:
         read_apps({"shop": {"replicas": ["http://127.0.0.1:8000"], "mirror": mirror}})
+    for name in names:
+        assert name in str(raised.value), (name, str(raised.value))
+
+
+def test_an_apps_sessions_are_its_settings_record_and_give_the_proxy_a_broker() -> None:
+    auth = read_auth({"apps": [], "keys": [{"kid": "a1", "secret": SECRET.hex()}]})
+    apps = read_apps(
+        {
+            "room": {
+                "replicas": ["http://127.0.0.1:8000"],
+                "sessions": {"max_per_replica": 2, "queue_timeout": 1, "on_replica_loss": "restart"},
+            },
+            "plain": {"replicas": ["http://127.0.0.1:8001"]},
+        }
+    )
+    setting = SessionSetting(max_per_replica=2, queue_timeout=1.0, on_replica_loss="restart")
+    assert apps["room"].settings == AppSettings(sessions=setting)
+    assert apps["plain"].settings is None
+    options = hop_options({"apps": apps, "auth": auth})
+    assert options["proxy"]["sessions"] == SessionConfig(apps=())  # sessioned by its record, with these defaults
+    assert options["proxy"]["session_issuer"].key.kid == "a1"
+    assert "mirror" not in options["proxy"]  # (a settings record without a mirror mirrors nothing)
+    assert options["worker"] == {"sessions": WorkerSessionConfig()}
+    limits = SessionConfig(apps=(), ttl=60).for_app(setting)
+    assert (limits.max_per_replica, limits.queue_timeout, limits.ttl, limits.on_replica_loss) == (2, 1.0, 60, "restart")
+    assert read_sessions({"on_replica_loss": "restart"}).config == SessionConfig(apps=(), on_replica_loss="restart")
+
+
+@pytest.mark.parametrize(
+    ("sessions", "names"),
+    [
+        ({"max_per_replica": -1}, ["room: sessions", "max_per_replica"]),
+        ({"on_replica_loss": "move"}, ["room: sessions", "on_replica_loss", "fail, restart"]),
+        ({"ttl": 0}, ["room: sessions", "ttl"]),
+        ({"queue_size": 2.5}, ["room: sessions", "whole number"]),
+        ({"sticky": True}, ["room: sessions", "unknown field 'sticky'"]),
+        ("yes", ["room: sessions", "a table"]),
+    ],
+)
+def test_a_bad_app_sessions_table_names_the_app_and_the_key(sessions: object, names: list[str]) -> None:
+    with pytest.raises((ValueError, TypeError)) as raised:
+        read_apps({"room": {"replicas": ["http://127.0.0.1:8000"], "sessions": sessions}})
     for name in names:
         assert name in str(raised.value), (name, str(raised.value))
 

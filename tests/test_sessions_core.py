@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from blocks import Replica, SessionConfig, WorkerSessionConfig
-from blocks.errors import QueueFull, QueueTimeout, SessionGone
+from blocks.errors import QueueFull, QueueTimeout, SessionLost
 from blocks.sessions import SessionPlacer, SessionTicket, SessionTracker
 
 APP = "chat"
@@ -746,7 +746,7 @@ def test_tracker_statistics_and_repr() -> None:
         1,
     )
     assert repr(t) == "<SessionTracker sessions=2 replicas=2>"
-    assert SessionGone("gone", reason="not-hosted").status == 410
+    assert SessionLost("gone", reason="not-hosted").status == 410
 
 
 def test_a_replica_reached_by_its_route_is_added_with_no_limit_of_its_own() -> None:

@@ -141,7 +141,11 @@ class Exchange:
       holding it up (the mirror's copy; :class:`~blocks.transport.Tee`);
     - ``forward``: the route's :class:`Forward`; ``grant``: the scheduler
       slot admission took;
-    - ``notes``: a dict for features of your own (keys of your choosing).
+    - ``notes``: a dict for features of your own (keys of your choosing);
+    - ``answer_status``: set by a ``response`` hook that re-classifies this
+      hop's own error answer (it rewrote the ``proxyblocks-error`` field in
+      the head it was given, say ``session_lost`` for ``replica_unreachable``):
+      the status that answer goes out with instead.
 
     ``hop.clock()`` is the hop's clock (``trio.current_time`` unless the hop
     was given another): read it instead of calling trio, so a feature's
@@ -151,6 +155,7 @@ class Exchange:
     __slots__ = (
         "_dispatched",
         "answer",
+        "answer_status",
         "app",
         "claims",
         "down",
@@ -179,6 +184,7 @@ class Exchange:
         self.picked: Replica | None = None
         self.session: str | None = None
         self.answer: Answer | None = None
+        self.answer_status: int | None = None
         self.wait: Wait | None = None
         self.tee: Tee | None = None
         self.forward: Forward | None = None
@@ -224,7 +230,10 @@ class Exchange:
         timing.upstream = perf_counter() - self.start
         for answered in hop._answered:
             answered(self, status, headers)
-        return add_server_timing(headers, timing.entries(hop.name, upstream_name=hop.upstream_name, total=hop.total))
+        headers = add_server_timing(headers, timing.entries(hop.name, upstream_name=hop.upstream_name, total=hop.total))
+        if self.answer_status is not None:  # (a hook re-classified this hop's own error: the splice reads it)
+            headers.insert(0, (b":status", b"%d" % self.answer_status))
+        return headers
 
     def retry_head(self, status: int, headers: Headers) -> Headers | None:
         """A spliced response head, at a hop that retries: an error the hop sends elsewhere is dropped (None)."""
@@ -641,15 +650,20 @@ class Hop:
                     if again is not None:
                         forward = again
                         continue
+                reclassified = None
                 try:
                     if isinstance(exc, BlocksError) and not isinstance(exc, StreamReset):
                         # the upstream never answered: 502, 503, 504
                         head = [(ERROR_HEADER, exc.error_reason.encode())]
                         exchange.failed(exc.status, head)
-                        if len(head) > 1:  # what the response hooks added (request ids) goes out with it
+                        if exchange.answer_status is not None:  # a hook re-classified it
+                            reclassified = _reclassified(exchange.answer_status, head)
+                        elif len(head) > 1:  # what the response hooks added (request ids) goes out with it
                             exc.headers = [*exc.headers, *head[1:]]
                 finally:
                     exchange.closed()
+                if reclassified is not None:
+                    raise reclassified from exc
                 raise
             if again_ok and bodiless and response.status >= 500:
                 again_ok = False
@@ -670,6 +684,15 @@ class Hop:
         if tee is not None:
             response.body = TappedBody(response.body, tee.response)
         return response
+
+
+def _reclassified(status: int, head: Headers) -> BlocksError:
+    """The hop's own error as a ``response`` hook re-classified it (``Exchange.answer_status``):
+    its status, the reason its ``proxyblocks-error`` field now says, and the fields it added."""
+    reason = parse_error_field(head[0][1])[0].decode("latin-1")
+    error = BlocksError(f"re-classified as {reason}", status=status, error_reason=reason)
+    error.headers = head[1:]
+    return error
 
 
 def _unread(body: Body) -> bool:

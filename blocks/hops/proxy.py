@@ -13,12 +13,14 @@ import trio
 
 from blocks.errors import RETRYABLE_REASONS, BlocksError, NoRoute, Unauthorized, parse_error_field
 from blocks.fields import (
+    ENDED_HEADER,
     ERROR_HEADER,
     HEALTH_PATH,
     REPLICA_HEADER,
     REPORT_HEADER,
     ROUTED_HEADER,
     SESSION_HEADER,
+    SESSION_TOKEN_HEADER,
     SESSIONS_PATH,
     TARGET_HEADER,
 )
@@ -96,7 +98,17 @@ class SessionPin(Feature):
     token stripped; a bad token is a 401), timed as ``<proxy>-session``;
     ``POST`` / ``DELETE /.proxyblocks/sessions`` are answered here (a start
     awaits the worker). route: a request of a session goes to the replica
-    its token names (a 410 if it is gone), with ``x-proxyblocks-session``.
+    its token names (a 410 ``session_lost`` if it is gone), with
+    ``x-proxyblocks-session``.
+
+    For an app whose sessions may move (``on_replica_loss = "restart"``), a
+    request of a session whose replica is gone, ``down`` or lost (its worker
+    answered ``session_lost``, ``replica-unreachable``, since the session
+    started) waits in screen while the broker starts a new session on
+    another replica, and goes there; response: its answer carries the new
+    token (``proxyblocks-session-token``, and the cookie). A worker's
+    ``replica-unreachable`` answer is heard here (the broker's
+    :meth:`~blocks.sessions.SessionBroker.lost`).
     """
 
     def __init__(self, broker: SessionBroker, tenant_key: TenantKey, name: str) -> None:
@@ -122,6 +134,35 @@ class SessionPin(Feature):
         if claims is not None:
             exchange.claims = claims
             exchange.timing.phase(self._phase, perf_counter() - start)
+            if claims.kind == "session" and exchange.answer is None and broker.moves(app, claims):
+                exchange.wait = self._restart
+
+    async def _restart(self, exchange: Exchange) -> None:
+        claims = exchange.claims
+        assert claims is not None
+        tenant = claims.tenant or self.tenant_key(exchange.request)
+        exchange.claims, token = await self.broker.restart(claims.app, tenant)
+        notes = exchange.notes
+        if notes is None:
+            notes = exchange.notes = {}
+        notes[SessionPin] = token
+
+    def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
+        if exchange.session is None:
+            return
+        notes = exchange.notes
+        token = notes.get(SessionPin) if notes is not None else None
+        if token is not None:
+            headers.append((SESSION_TOKEN_HEADER, token.encode()))
+            cookie = self.broker.cookie(token, exchange.claims.app if exchange.claims is not None else "")
+            if cookie is not None:
+                headers.append((b"set-cookie", cookie))
+        if status == 503:
+            for name, value in headers:
+                if name == ENDED_HEADER:
+                    if value == b"replica-unreachable" and exchange.replica is not None:
+                        self.broker.lost(exchange.replica)
+                    break
 
     def route(self, exchange: Exchange) -> Forward | None:
         claims = exchange.claims

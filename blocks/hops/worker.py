@@ -9,14 +9,23 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import trio
 
-from blocks.errors import NoRoute, UpstreamConnectError
-from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
+from blocks.errors import NoRoute, UpstreamConnectError, parse_error_field
+from blocks.fields import (
+    ENDED_HEADER,
+    ERROR_HEADER,
+    LOAD_PATH,
+    PROBE_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    SESSIONS_PATH,
+    TARGET_HEADER,
+)
 from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.hops.proxy import InFlight
-from blocks.http import Request, Response, text_response
+from blocks.http import Headers, Request, Response, text_response
 from blocks.prober import ReplicaLoad, load_response
 from blocks.routing import parse_address
-from blocks.sessions import SessionGone, SessionTracker, WorkerSessionConfig, session_control_response
+from blocks.sessions import SessionLost, SessionTracker, WorkerSessionConfig, session_control_response
 from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig, serve_http
 from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstreams
@@ -140,17 +149,41 @@ _MAX_TARGETS = 4096
 
 
 class SessionCount(Feature):
-    """dispatched: a session's request counts in its session (a 410 if this worker does not host it there)."""
+    """dispatched: a session's request counts in its session (a 410 if this worker does not host it there).
+
+    response: a session's request whose replica this worker could not reach
+    (its own ``replica_unreachable``) is answered ``503 session_lost``
+    (``proxyblocks-session-ended: replica-unreachable``) instead, never sent
+    elsewhere: the replica is gone with the session's state, so every
+    session it hosted ends (counted ``ended["lost"]``), and their next
+    requests get a 410 ``not-hosted``. One answer says the loss per session.
+    """
 
     def __init__(self, tracker: SessionTracker) -> None:
         self.tracker = tracker
+
+    def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
+        if exchange.session is None or status < 500 or exchange.answer_status is not None:
+            return
+        for i, (name, value) in enumerate(headers):
+            if name == ERROR_HEADER:
+                reason, at = parse_error_field(value)
+                hop = exchange.hop
+                if reason == b"replica_unreachable" and (not at or at == hop.name.encode()):
+                    replica = exchange.replica or ""
+                    ended = self.tracker.end_replica(replica, "lost")
+                    log.warning("replica %s unreachable: its %d sessions are lost", replica, len(ended))
+                    headers[i] = hop.error_field("session_lost", exchange)
+                    headers.append((ENDED_HEADER, b"replica-unreachable"))
+                    exchange.answer_status = 503
+                return
 
     def dispatched(self, exchange: Exchange, forward: Forward) -> None:
         session = exchange.session
         if session is not None:
             replica = exchange.replica or ""
             if not self.tracker.begin(session, replica, exchange.hop.clock()):
-                raise SessionGone(
+                raise SessionLost(
                     f"this worker hosts no session {session!r} on replica {replica!r}", reason="not-hosted"
                 )
 

@@ -40,6 +40,8 @@ from blocks.routing._policies import AffinityHash, LeastInFlight, Policy, PowerO
 from blocks.routing._settings import (
     AppSettings,
     MirrorSetting,
+    SessionSetting,
+    decode_sessions,
     decode_settings,
     encode_settings,
     parse_settings_key,
@@ -74,6 +76,8 @@ __all__ = [
     # per-app settings
     "AppSettings",
     "MirrorSetting",
+    "SessionSetting",
+    "decode_sessions",
     "decode_settings",
     "encode_settings",
     "route_key_for_settings",

@@ -126,7 +126,7 @@ class RouteCache:
         self._ignored = 0
         self._rebuilds = 0
         self._listeners: list[Callable[[frozenset[str]], None]] = []
-        self._changed: set[str] = set()  # apps whose live replicas changed in this load or apply
+        self._changed: set[str] = set()  # apps whose live replicas or settings changed in this load or apply
 
     def __repr__(self) -> str:
         return (
@@ -152,13 +152,19 @@ class RouteCache:
         """``app``'s settings record (``apps/<app>/settings``), or None."""
         return self._settings.get(app)
 
+    @property
+    def app_settings(self) -> Mapping[str, AppSettings]:
+        """Every app's settings record (a read-only view), as :attr:`RouteTable.app_settings`."""
+        return types.MappingProxyType(self._settings)
+
     def replica(self, app: str, name: str) -> Replica | None:
         """``app``'s replica ``name`` whatever its state (a session's pinned replica), or None."""
         entries = self._apps.get(app)
         return entries.get(name) if entries is not None else None
 
     def add_listener(self, listener: Callable[[frozenset[str]], None]) -> Callable[[], None]:
-        """Call ``listener`` with the apps whose live replicas changed, after each load or apply that changed any.
+        """Call ``listener`` with the apps whose live replicas or settings changed, after each load or apply
+        that changed any.
 
         What waits on the routes (a cold start waiting for its app's first
         replica) listens instead of polling. The call is synchronous, inside
@@ -197,6 +203,7 @@ class RouteCache:
         except BaseException:
             self._settings = settings
             raise
+        self._changed.update(settings.keys() - self._settings.keys())  # settings gone with the snapshot
         old_apps = self._apps
         self._domains, self._apps = domains, apps
         self.revision = revision
@@ -273,7 +280,8 @@ class RouteCache:
         """Store ``key``'s value (or, if it is bad, drop its route); the app whose replicas changed, if any."""
         owner = parse_settings_key(key)
         if owner is not None:
-            # Settings never change the replica tuples: nothing to rebuild.
+            # Settings never change the replica tuples: nothing to rebuild; the listeners hear of it.
+            self._changed.add(owner)
             try:
                 if value is None:
                     raise ValueError("no value")
@@ -306,7 +314,8 @@ class RouteCache:
     def _delete(self, domains: dict[bytes, str], apps: dict[str, dict[str, Replica]], key: str) -> str | None:
         owner = parse_settings_key(key)
         if owner is not None:
-            self._settings.pop(owner, None)
+            if self._settings.pop(owner, None) is not None:
+                self._changed.add(owner)
             return None
         try:
             app, name = parse_key(key)

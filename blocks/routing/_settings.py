@@ -6,8 +6,9 @@ each belong to one feature::
     {"mirror": {"to": "candidate", "fraction": 0.1, "prefixes": ["/api/"], "tenants": {"alice": 1.0},
                 "key": "x-user-id", "compare": ["content-type"]}}
 
-Today there is one field, ``mirror`` (:class:`MirrorSetting`, read by the
-mirror tee). A feature adds its own field by adding an attribute to
+Today there are two fields, ``mirror`` (:class:`MirrorSetting`, read by the
+mirror tee) and ``sessions`` (:class:`SessionSetting`, read by the proxy's
+session broker: the app is sessioned, with these limits). A feature adds its own field by adding an attribute to
 :class:`AppSettings` and a decoder here; until it does, fields this version
 does not know are kept, decoded, in :attr:`AppSettings.extra`, so that a
 newer writer never breaks an older proxy. A field that is present but bad
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -157,20 +158,100 @@ class MirrorSetting:
         return fields
 
 
+ON_REPLICA_LOSS = ("fail", "restart")
+"""What a session whose replica is lost gets: ``fail`` (``session_lost``; the client starts a
+new session) or ``restart`` (a new session on another replica, the same request sent there)."""
+
+
+def _optional_count(value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"a count must be a whole number >= 0, not {value!r}")
+    return value
+
+
+def _optional_seconds(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"seconds must be a finite number >= 0, not {value!r}")
+    return float(value)
+
+
+def _optional_ttl(value: object) -> float | None:
+    seconds = _optional_seconds(value)
+    if seconds == 0:
+        raise ValueError("ttl must be > 0")
+    return seconds
+
+
+def _on_replica_loss(value: object) -> str | None:
+    if value is not None and value not in ON_REPLICA_LOSS:
+        raise ValueError(f"on_replica_loss must be one of {', '.join(ON_REPLICA_LOSS)}, not {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class SessionSetting:
+    """One app's sticky sessions (read by the proxy's :class:`~blocks.sessions.SessionBroker`).
+
+    Its presence makes the app sessioned, as if it were in the proxy's
+    ``SessionConfig.apps``. Each field left ``None`` takes the proxy's
+    :class:`~blocks.SessionConfig` value: ``max_per_replica``,
+    ``queue_size``, ``queue_timeout``, ``ttl`` (seconds) and
+    ``on_replica_loss`` (:data:`ON_REPLICA_LOSS`).
+    """
+
+    max_per_replica: int | None = attrs.field(default=None, converter=_optional_count)
+    queue_size: int | None = attrs.field(default=None, converter=_optional_count)
+    queue_timeout: float | None = attrs.field(default=None, converter=_optional_seconds)
+    ttl: float | None = attrs.field(default=None, converter=_optional_ttl)
+    on_replica_loss: str | None = attrs.field(default=None, converter=_on_replica_loss)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object :func:`decode_settings` reads back as this setting (its fields set)."""
+        return {name: value for name, value in attrs.asdict(self).items() if value is not None}
+
+
+_SESSION_FIELDS: dict[str, Callable[[object], object]] = {
+    "max_per_replica": _optional_count,
+    "queue_size": _optional_count,
+    "queue_timeout": _optional_seconds,
+    "ttl": _optional_ttl,
+    "on_replica_loss": _on_replica_loss,
+}
+
+
+def decode_sessions(fields: object) -> SessionSetting:
+    """A :class:`SessionSetting` from its JSON object (or TOML table); ValueError naming what is wrong."""
+    if not isinstance(fields, Mapping):
+        raise ValueError("sessions must be a table of max_per_replica, queue_size, queue_timeout, ttl, on_replica_loss")  # noqa: TRY004
+    unknown = sorted(set(fields) - set(_SESSION_FIELDS))
+    if unknown:
+        raise ValueError(f"sessions: unknown field {unknown[0]!r} (known: {', '.join(_SESSION_FIELDS)})")
+    for name, value in fields.items():
+        try:
+            _SESSION_FIELDS[name](value)
+        except ValueError as exc:
+            raise ValueError(f"sessions: {name}: {exc}") from None
+    return SessionSetting(**fields)
+
+
 @attrs.frozen(kw_only=True)
 class AppSettings:
     """One app's settings record (``apps/<app>/settings``).
 
     ``mirror``: what the app mirrors (:class:`MirrorSetting`), or None.
+    ``sessions``: the app's sticky sessions (:class:`SessionSetting`), or None.
     ``extra``: the record's fields this version does not know, as decoded
     JSON: a newer writer's, or a feature's that has no attribute yet.
     """
 
     mirror: MirrorSetting | None = None
+    sessions: SessionSetting | None = None
     extra: Mapping[str, Any] = attrs.field(factory=dict, eq=True, hash=False)
 
 
-_KNOWN = ("mirror",)
+_KNOWN = ("mirror", "sessions")
 
 
 def encode_settings(settings: AppSettings) -> bytes:
@@ -178,6 +259,8 @@ def encode_settings(settings: AppSettings) -> bytes:
     fields: dict[str, Any] = {name: value for name, value in settings.extra.items() if name not in _KNOWN}
     if settings.mirror is not None:
         fields["mirror"] = settings.mirror.to_json()
+    if settings.sessions is not None:
+        fields["sessions"] = settings.sessions.to_json()
     return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -204,4 +287,11 @@ def decode_settings(value: bytes) -> AppSettings:
     if not isinstance(fields, dict):
         raise ValueError("not a JSON object")  # noqa: TRY004
     mirror = decode_mirror(fields["mirror"]) if fields.get("mirror") is not None else None
-    return AppSettings(mirror=mirror, extra={name: v for name, v in fields.items() if name not in _KNOWN})
+    sessions = None
+    if fields.get("sessions") is not None:
+        try:
+            sessions = decode_sessions(fields["sessions"])
+        except ValueError:
+            raise ValueError("bad sessions") from None
+    extra = {name: v for name, v in fields.items() if name not in _KNOWN}
+    return AppSettings(mirror=mirror, sessions=sessions, extra=extra)

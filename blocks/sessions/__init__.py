@@ -34,20 +34,28 @@ Module map: ``_core`` (sans-IO: :class:`SessionPlacer`, :class:`SessionTracker`,
 configs), ``_broker`` (the proxy's trio side).
 """
 
-from blocks.errors import SessionGone
+from blocks.errors import SessionLost
 from blocks.fields import ENDED_HEADER, SESSION_HEADER, SESSIONS_PATH
 from blocks.sessions._broker import SessionBroker, open_sessions, session_control_response
-from blocks.sessions._core import ReplicaSessions, SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
+from blocks.sessions._core import (
+    AppSessions,
+    ReplicaSessions,
+    SessionConfig,
+    SessionPlacer,
+    SessionStatistics,
+    SessionTicket,
+)
 from blocks.sessions._core_tracker import SessionTracker, TrackerStatistics, WorkerSessionConfig
 
 __all__ = [
     "ENDED_HEADER",
     "SESSIONS_PATH",
     "SESSION_HEADER",
+    "AppSessions",
     "ReplicaSessions",
     "SessionBroker",
     "SessionConfig",
-    "SessionGone",
+    "SessionLost",
     "SessionPlacer",
     "SessionStatistics",
     "SessionTicket",

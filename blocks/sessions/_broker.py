@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import trio
 
 from blocks._sync import one_error
-from blocks.errors import NoRoute, SessionGone, Unauthorized, UpstreamProtocolError, UpstreamTimeout
+from blocks.errors import NoRoute, SessionLost, Unauthorized, UpstreamProtocolError, UpstreamTimeout
 from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
 from blocks.http import Headers, Request, Response, json_response
+from blocks.routing import RouteCache, RouteTable
 from blocks.sessions._core import SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
 from blocks.sessions._core_tracker import SessionTracker
 from blocks.tokens import take_token
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("blocks.sessions")
 
 _MAX_ANSWER = 4096
+_MAX_LOST = 4096  # replicas remembered as lost by their worker
 
 
 class SessionBroker:
@@ -41,7 +43,7 @@ class SessionBroker:
       session token gets the token's claims (the token is stripped); a
       forged, expired or foreign token is a 401;
     - :meth:`pinned` when it decides: the replica the claims name, or a
-      :class:`SessionGone` (410) when that replica left the routes or is
+      :class:`SessionLost` (410) when that replica left the routes or is
       ``down``. Never another replica;
     - :meth:`start` for ``POST /.proxyblocks/sessions``: a place (or a wait
       in the fair queue), the worker's consent, a signed session token;
@@ -63,7 +65,7 @@ class SessionBroker:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.apps = config.apps
+        self.apps: set[str] = set(config.apps)  # and those whose route store settings make them sessioned
         self.routes = routes
         self.upstreams = upstreams
         self.issuer = issuer
@@ -73,6 +75,9 @@ class SessionBroker:
         self.placer = SessionPlacer(config)
         self._events: dict[SessionTicket, trio.Event] = {}
         self._queued = trio.Event()  # set when a ticket joins an empty deadline queue
+        self._lost: dict[str, float] = {}  # replica -> when its worker said it lost its sessions (bounded)
+        settings = routes.app_settings if isinstance(routes, (RouteTable, RouteCache)) else {}
+        self.routes_changed(frozenset(settings))
 
     def __repr__(self) -> str:
         return f"<SessionBroker {self.placer!r}>"
@@ -120,10 +125,57 @@ class SessionBroker:
         replica = self.routes.replica(app, name)
         if replica is None or replica.state == "down":
             self.placer.count_gone()
-            raise SessionGone(
+            raise SessionLost(
                 f"session {claims.session_id!r}: replica {name!r} of app {app!r} is gone", reason="replica-gone"
             )
         return replica
+
+    def moves(self, app: str, claims: TokenClaims) -> bool:
+        """Whether a request of this session is to start a new one elsewhere: its app's sessions may
+        move (``on_replica_loss = "restart"``) and its replica is gone from the routes, ``down``, or
+        lost by its worker (:meth:`lost`). A dict read or two."""
+        if self.placer.limits(app).on_replica_loss != "restart":
+            return False
+        name = claims.replica or ""
+        replica = self.routes.replica(app, name)
+        if replica is None or replica.state == "down":
+            return True
+        lost, issued = self._lost.get(name), claims.issued_at
+        # (issued_at is whole seconds: a session started in the second of the loss counts as before it)
+        return lost is not None and issued is not None and issued < lost
+
+    def lost(self, replica: str) -> None:
+        """``replica``'s worker answered ``session_lost`` (it could not reach it): the sessions it
+        hosted until now are gone. For an app whose sessions move, their next requests start anew."""
+        if len(self._lost) >= _MAX_LOST:
+            self._lost.clear()  # (a bound: forgetting means one more session_lost answer, no harm)
+        self._lost[replica] = self.clock()
+
+    async def restart(self, app: str, tenant: str) -> tuple[TokenClaims, str]:
+        """A new session of ``app`` for a session whose replica was lost: its claims and token."""
+        replica, session = await self._place(app, tenant)
+        token = self._mint(app, tenant, session, replica)
+        claims = self.verifier.verify(token, now=self.clock(), app=app, kind="session")
+        self.placer.count_restarted()
+        log.info("a session of app %r moved to %s as %s (on_replica_loss = restart)", app, replica.name, session)
+        return claims, token
+
+    def routes_changed(self, apps: frozenset[str]) -> None:
+        """The route cache's listener: ``apps``' settings or replicas changed. Keeps :attr:`apps` and
+        each app's limits current, and hands the places of new replicas to waiting starts."""
+        config, placer = self.config, self.placer
+        for app in apps:
+            settings = self.routes.settings(app)
+            own = settings.sessions if settings is not None else None
+            if own is not None:
+                self.apps.add(app)
+                placer.configure(app, config.for_app(own))
+            else:
+                placer.configure(app, None)
+                if app not in config.apps:
+                    self.apps.discard(app)
+            if app in self.apps:
+                self._grant(app)
 
     # -- starts and terminates ------------------------------------------------------------------
 
@@ -135,9 +187,36 @@ class SessionBroker:
         :class:`~blocks.errors.QueueTimeout` 503 at its deadline);
         :class:`~blocks.errors.NoRoute` (503) when the app has no live replica.
         """
+        replica, session = await self._place(app, tenant)
+        token = self._mint(app, tenant, session, replica)
+        ttl = self.placer.limits(app).ttl
+        body = json.dumps(
+            {"session": session, "token": token, "replica": replica.name, "expires_at": int(self.clock() + ttl)},
+            separators=(",", ":"),
+        ).encode()
+        response = json_response(201, body)
+        if self.config.set_cookie and self.config.cookie is not None:
+            response.headers.append((b"set-cookie", self._cookie(token.encode(), int(ttl))))
+        log.debug("session %s of app %r started on %s", session, app, replica.name)
+        return response
+
+    def _mint(self, app: str, tenant: str, session: str, replica: Replica) -> str:
+        return self.issuer.mint(
+            app=app,
+            now=self.clock(),
+            ttl=self.placer.limits(app).ttl,
+            kind="session",
+            tenant=tenant,
+            session_id=session,
+            replica=replica.name,
+        )
+
+    async def _place(self, app: str, tenant: str) -> tuple[Replica, str]:
+        """A replica whose worker opened a new session of ``app``, and the session's id: at once, or
+        after a wait in the app's queue (also while the app has no live replica, for one to come)."""
         placer, live = self.placer, self._live
-        if not live(app):
-            raise NoRoute(f"no live replica for app {app!r}")
+        if not live(app) and not placer.limits(app).queue_size:
+            raise NoRoute(f"no live replica for app {app!r}", error_reason="no_replica")
         ticket: SessionTicket | None = None
         replica = placer.reserve(app, live(app))
         refusals = 0
@@ -158,26 +237,13 @@ class SessionBroker:
             refusals += 1
             retry = ticket is None and refusals <= len(live(app))
             replica = placer.reserve(app, live(app)) if retry else None
-        now = self.clock()
-        token = self.issuer.mint(
-            app=app,
-            now=now,
-            ttl=self.config.ttl,
-            kind="session",
-            tenant=tenant,
-            session_id=session,
-            replica=replica.name,
-        )
-        expires_at = int(now + self.config.ttl)
-        body = json.dumps(
-            {"session": session, "token": token, "replica": replica.name, "expires_at": expires_at},
-            separators=(",", ":"),
-        ).encode()
-        response = json_response(201, body)
-        if self.config.set_cookie and self.config.cookie is not None:
-            response.headers.append((b"set-cookie", self._cookie(token.encode(), int(self.config.ttl))))
-        log.debug("session %s of app %r started on %s", session, app, replica.name)
-        return response
+        return replica, session
+
+    def cookie(self, token: str, app: str) -> bytes | None:
+        """The ``set-cookie`` value that hands a client ``token`` of ``app``, or None (no cookie set)."""
+        if not self.config.set_cookie or self.config.cookie is None:
+            return None
+        return self._cookie(token.encode(), int(self.placer.limits(app).ttl))
 
     async def terminate(self, app: str, claims: TokenClaims) -> Response:
         """End the session ``claims`` name, at its worker; 204, or 410 if its replica is gone."""
@@ -340,10 +406,13 @@ async def open_sessions(
     start with a cancellation.
     """
     broker = SessionBroker(config, routes, upstreams, issuer, verifier, control_timeout=control_timeout)
+    unlisten = routes.add_listener(broker.routes_changed) if isinstance(routes, RouteCache) else None
     with one_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(broker._expire_forever)
             try:
                 yield broker
             finally:
+                if unlisten is not None:
+                    unlisten()
                 nursery.cancel_scope.cancel()

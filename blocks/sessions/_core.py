@@ -52,7 +52,7 @@ from blocks._common import finite
 from blocks.errors import QueueFull, QueueTimeout
 
 if TYPE_CHECKING:
-    from blocks.routing import Replica
+    from blocks.routing import Replica, SessionSetting
 
 
 def _apps(value: Iterable[str]) -> frozenset[str]:
@@ -94,6 +94,17 @@ class SessionConfig:
       protects the app's other requests (so a sessioned app's pages may be
       public while only starts are not). A session token, once minted,
       opens its app on its own.
+    - ``on_replica_loss``: what a request of a session whose replica is
+      lost gets: ``"fail"``, a ``session_lost`` answer (the client starts a
+      new session), or ``"restart"``: the proxy starts a new session of the
+      app on another replica and sends the request there (the app's
+      sessions may move; the answer carries the new token).
+
+    An app may also be sessioned by its route store settings (a
+    :class:`~blocks.routing.SessionSetting` in its ``apps/<app>/settings``
+    record, or ``[apps.NAME] sessions`` in a config file), whose fields
+    override ``ttl``, ``max_per_replica``, ``queue_size``, ``queue_timeout``
+    and ``on_replica_loss`` for that app (:meth:`for_app`).
     """
 
     apps: frozenset[str] = attrs.field(converter=_apps)
@@ -106,6 +117,34 @@ class SessionConfig:
     cookie: bytes | None = attrs.field(default=b"proxyblocks-session", converter=_optional_bytes)
     set_cookie: bool = True
     require_auth: bool = True
+    on_replica_loss: Literal["fail", "restart"] = attrs.field(
+        default="fail", validator=attrs.validators.in_(("fail", "restart"))
+    )
+
+    def for_app(self, setting: SessionSetting | None = None) -> AppSessions:
+        """One app's limits: these defaults, with the fields ``setting`` (its route store record) sets."""
+        if setting is None:
+            return AppSessions(
+                self.max_per_replica, self.queue_size, self.queue_timeout, self.ttl, self.on_replica_loss
+            )
+        return AppSessions(
+            self.max_per_replica if setting.max_per_replica is None else setting.max_per_replica,
+            self.queue_size if setting.queue_size is None else setting.queue_size,
+            self.queue_timeout if setting.queue_timeout is None else setting.queue_timeout,
+            self.ttl if setting.ttl is None else setting.ttl,
+            self.on_replica_loss if setting.on_replica_loss is None else setting.on_replica_loss,  # type: ignore[arg-type]
+        )
+
+
+@attrs.frozen
+class AppSessions:
+    """One sessioned app's limits, resolved (:meth:`SessionConfig.for_app`)."""
+
+    max_per_replica: int
+    queue_size: int
+    queue_timeout: float
+    ttl: float
+    on_replica_loss: Literal["fail", "restart"] = "fail"
 
 
 TicketState = Literal["waiting", "granted", "cancelled", "expired"]
@@ -228,7 +267,8 @@ class SessionStatistics:
     """``started``: sessions started; ``queued``: starts waiting now, per app;
     ``queue_full`` (429s), ``timed_out`` (503s), ``refused_by_worker`` (a worker
     was full after all), ``gone`` (410s), ``terminated``; ``replicas``: the
-    estimate per replica."""
+    estimate per replica; ``restarted``: sessions moved to a new replica
+    (``on_replica_loss = "restart"``)."""
 
     started: int
     queued: dict[str, int]
@@ -238,6 +278,7 @@ class SessionStatistics:
     gone: int
     terminated: int
     replicas: dict[str, ReplicaSessions]
+    restarted: int = 0
 
 
 class SessionPlacer:
@@ -245,6 +286,8 @@ class SessionPlacer:
 
     def __init__(self, config: SessionConfig) -> None:
         self.config = config
+        self._default = config.for_app()
+        self._limits: dict[str, AppSessions] = {}  # an app's own, where its settings give them
         self._places: dict[str, _Place] = {}
         self._queues: dict[str, _Queue] = {app: _Queue() for app in config.apps}
         # (deadline, seq, ticket), resolved ones dropped lazily. A heap, not a FIFO: a requeued
@@ -252,6 +295,7 @@ class SessionPlacer:
         self._deadlines: list[tuple[float, int, SessionTicket]] = []
         self._seq = itertools.count()
         self._started = self._queue_full = self._timed_out = self._refused = self._gone = self._terminated = 0
+        self._restarted = 0
 
     def __repr__(self) -> str:
         return f"<SessionPlacer apps={sorted(self.config.apps)} queued={sum(q.size for q in self._queues.values())}>"
@@ -262,32 +306,54 @@ class SessionPlacer:
             place = self._places[name] = _Place()
         return place
 
-    def _capacity(self, place: _Place) -> int:
-        cap, ours = place.capacity, self.config.max_per_replica
+    def limits(self, app: str) -> AppSessions:
+        """``app``'s limits: its own (:meth:`configure`), else the config's."""
+        return self._limits.get(app, self._default)
+
+    def configure(self, app: str, limits: AppSessions | None) -> None:
+        """``app`` is sessioned with ``limits`` (None: the config's); its queue is made on first use."""
+        if limits is None or limits == self._default:
+            self._limits.pop(app, None)
+        else:
+            self._limits[app] = limits
+
+    def _queue(self, app: str) -> _Queue:
+        queue = self._queues.get(app)
+        if queue is None:
+            queue = self._queues[app] = _Queue()
+        return queue
+
+    def _capacity(self, place: _Place, ours: int | None = None) -> int:
+        cap = place.capacity
+        if ours is None:
+            ours = self._default.max_per_replica
         if ours and (not cap or ours < cap):
             return ours
         return cap
 
-    def free(self, name: str) -> float:
-        """Free places on replica ``name`` as estimated now (``inf`` when no limit is known)."""
+    def free(self, name: str, max_per_replica: int | None = None) -> float:
+        """Free places on replica ``name`` as estimated now (``inf`` when no limit is known), under
+        ``max_per_replica`` (None: the config's)."""
         place = self._places.get(name)
         if place is None:
-            return self.config.max_per_replica or math.inf
+            ours = self._default.max_per_replica if max_per_replica is None else max_per_replica
+            return ours or math.inf
         if place.full:
             return 0
-        capacity = self._capacity(place)
+        capacity = self._capacity(place, max_per_replica)
         if not capacity:
             return math.inf
         return max(0, capacity - place.active - place.pending)
 
-    def free_places(self, candidates: Iterable[Replica]) -> float:
-        return sum(self.free(replica.name) for replica in candidates)
+    def free_places(self, candidates: Iterable[Replica], max_per_replica: int | None = None) -> float:
+        return sum(self.free(replica.name, max_per_replica) for replica in candidates)
 
-    def _reserve(self, candidates: Sequence[Replica]) -> Replica | None:
+    def _reserve(self, app: str, candidates: Sequence[Replica]) -> Replica | None:
+        ours = self.limits(app).max_per_replica
         best: Replica | None = None
         best_key = (0.0, 0)
         for replica in candidates:
-            free = self.free(replica.name)
+            free = self.free(replica.name, ours)
             if free <= 0:
                 continue
             place = self._places.get(replica.name)
@@ -306,7 +372,7 @@ class SessionPlacer:
         queue = self._queues.get(app)
         if queue is not None and queue.size:
             return None
-        return self._reserve(candidates)
+        return self._reserve(app, candidates)
 
     def answered(self, name: str, active: int, capacity: int, *, started: bool, at: float | None = None) -> None:
         """The worker answered a start on ``name``: it now hosts ``active`` of ``capacity``.
@@ -344,16 +410,16 @@ class SessionPlacer:
 
     def enqueue(self, app: str, tenant: str, now: float) -> SessionTicket:
         """Wait for a place: a ticket with its deadline; :class:`QueueFull` (429) if the app's queue is full."""
-        queue = self._queues[app]
-        config = self.config
-        if queue.size >= config.queue_size:
+        queue = self._queue(app)
+        limits = self.limits(app)
+        if queue.size >= limits.queue_size:
             self._queue_full += 1
             raise QueueFull(
                 f"{queue.size} session starts already wait for app {app!r}",
                 tenant=tenant,
-                retry_after=config.retry_after,
+                retry_after=self.config.retry_after,
             )
-        ticket = SessionTicket(app, tenant, now + config.queue_timeout)
+        ticket = SessionTicket(app, tenant, now + limits.queue_timeout)
         queue.push(ticket)
         self._watch(ticket)
         return ticket
@@ -379,7 +445,7 @@ class SessionPlacer:
         if queue is None:
             return granted
         while queue.size:
-            replica = self._reserve(candidates)
+            replica = self._reserve(app, candidates)
             if replica is None:
                 break
             ticket = queue.pop()
@@ -395,7 +461,7 @@ class SessionPlacer:
         """A granted ticket whose worker was full after all waits again, first of its tenant, same deadline."""
         ticket.state = "waiting"
         ticket.replica = None
-        self._queues[ticket.app].push(ticket, front=True)
+        self._queue(ticket.app).push(ticket, front=True)
         # Its deadline entry may be gone (expire and next_deadline drop a granted ticket's):
         # a second one for the same ticket is harmless, it is resolved once.
         self._watch(ticket)
@@ -423,7 +489,7 @@ class SessionPlacer:
 
     def timeout_error(self, ticket: SessionTicket) -> QueueTimeout:
         return QueueTimeout(
-            f"no session place for app {ticket.app!r} within {self.config.queue_timeout:g} s",
+            f"no session place for app {ticket.app!r} within {self.limits(ticket.app).queue_timeout:g} s",
             tenant=ticket.tenant,
             retry_after=self.config.retry_after,
         )
@@ -441,6 +507,9 @@ class SessionPlacer:
     def count_gone(self) -> None:
         self._gone += 1
 
+    def count_restarted(self) -> None:
+        self._restarted += 1
+
     def count_terminated(self) -> None:
         self._terminated += 1
 
@@ -454,4 +523,5 @@ class SessionPlacer:
             self._gone,
             self._terminated,
             {name: ReplicaSessions(p.active, p.pending, self._capacity(p)) for name, p in self._places.items()},
+            self._restarted,
         )

@@ -179,6 +179,23 @@ class SessionTracker:
         self.revision += 1
         return state.replica
 
+    def end_replica(self, replica: str, reason: str) -> list[str]:
+        """End every session ``replica`` hosts now (it is lost, or drained), counted in ``ended[reason]``.
+
+        The sessions ended. Their requests already in flight run to their
+        end (the caller ends what it must); new ones get a 410. O(sessions
+        hosted by the worker): a loss or a drain is rare.
+        """
+        if not self._active.get(replica):
+            return []
+        ended = [session for session, state in self._sessions.items() if state.replica == replica]
+        for session in ended:
+            del self._sessions[session]
+        self._active[replica] = 0
+        self._ended[reason] = self._ended.get(reason, 0) + len(ended)
+        self.revision += 1
+        return ended
+
     def expire(self, now: float) -> list[tuple[str, str]]:
         """End the sessions idle for ``idle_timeout``: their ``(session, replica)``."""
         ended = []

@@ -100,7 +100,7 @@ def hop_from_url(url: str) -> Address:
 @attrs.frozen
 class App:
     """An app and where it runs: the ``domains`` routed to it (``"*"``: every other), its ``replicas``
-    by name, and its ``settings`` record (what it mirrors), if any."""
+    by name, and its ``settings`` record (what it mirrors, its sessions), if any."""
 
     domains: tuple[str, ...]
     replicas: Mapping[str, LocalReplica]
@@ -109,7 +109,9 @@ class App:
 
 def read_apps(table: object) -> dict[str, App]:
     """The apps of a config file's ``[apps.NAME]`` tables, each ``domains = [names]`` and ``replicas = [URLs]``,
-    and optionally ``mirror = {to = "APP", fraction = 0.1, prefixes = ["/"]}`` (:func:`read_app_settings`).
+    and optionally ``mirror = {to = "APP", fraction = 0.1, prefixes = ["/"]}`` and ``sessions =
+    {max_per_replica = 4, queue_size = 16, queue_timeout = 5, ttl = 600, on_replica_loss = "restart"}``
+    (:func:`read_app_settings`).
 
     The replicas are named ``NAME-0``, ``NAME-1``... A command's config
     section (:class:`~blocks.command.CommandParser`): anything else is a
@@ -119,15 +121,18 @@ def read_apps(table: object) -> dict[str, App]:
         raise TypeError("apps is a table of tables, [apps.NAME]")
     apps: dict[str, App] = {}
     for name, app in table.items():
-        lists = [items for key, items in app.items() if key != "mirror"] if isinstance(app, dict) else [None]
+        tables = {"mirror", "sessions"}
+        lists = [items for key, items in app.items() if key not in tables] if isinstance(app, dict) else [None]
         if (
             not isinstance(app, dict)
-            or not app.keys() <= {"domains", "replicas", "mirror"}
+            or not app.keys() <= {"domains", "replicas", *tables}
             or not all(isinstance(items, list) and all(isinstance(item, str) for item in items) for items in lists)
         ):
-            raise ValueError(f"{name}: an app is domains = [names], replicas = [URLs] and an optional mirror")
+            raise ValueError(
+                f"{name}: an app is domains = [names], replicas = [URLs], and optional mirror and sessions tables"
+            )
         try:
-            settings = read_app_settings(app["mirror"]) if "mirror" in app else None
+            settings = read_app_settings(app.get("mirror"), app.get("sessions")) if app.keys() & tables else None
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{name}: {exc}") from None
         replicas = {f"{name}-{i}": replica_from_url(url) for i, url in enumerate(app.get("replicas", []))}

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 
 from blocks.mirror import MirrorConfig
-from blocks.routing import AppSettings, MirrorSetting
+from blocks.routing import AppSettings, MirrorSetting, decode_sessions
 from blocks.sessions import SessionConfig, WorkerSessionConfig
 from blocks.tokens import Keyring, ProxyAuth, TokenIssuer, TokenKey, TokenVerifier, TokenVerifierConfig
 
@@ -223,6 +223,7 @@ _SESSIONS = {
     "cookie": ((str, bool), "a cookie's name, or false"),
     "set_cookie": _SWITCH,
     "require_auth": _SWITCH,
+    "on_replica_loss": _TEXT,
     "idle_timeout": _NUMBER,
     "max_sessions": _WHOLE,
     "kid": _TEXT,
@@ -233,11 +234,10 @@ _SESSIONS = {
 def read_sessions(table: object, *, base: Path = Path()) -> SessionSettings:
     """A config file's ``[sessions]`` table: :class:`~blocks.SessionConfig`'s fields (``apps``,
     ``ttl``, ``max_per_replica``, ``queue_size``, ``queue_timeout``, ``retry_after``, ``header``,
-    ``cookie`` (false: none), ``set_cookie``, ``require_auth``), the worker's ``idle_timeout`` and
+    ``cookie`` (false: none), ``set_cookie``, ``require_auth``, ``on_replica_loss``), the worker's ``idle_timeout`` and
     ``max_sessions``, ``kid`` (the key that signs session tokens) and ``[[sessions.keys]]``."""
     fields = _table(table, _SESSIONS, "sessions")
-    if not fields.get("apps"):
-        raise ValueError("apps: [sessions] needs its apps, apps = [names]")
+    fields.setdefault("apps", [])  # (an app may be sessioned by its own [apps.NAME] sessions, or the route store)
     if fields.get("cookie") is True:
         raise TypeError("cookie: true is not a cookie's name, or false")
     if fields.get("cookie") is False:
@@ -288,16 +288,20 @@ _APP_MIRROR = {
 }
 
 
-def read_app_settings(value: object) -> AppSettings:
+def read_app_settings(value: object, sessions: object = None) -> AppSettings:
     """An app's ``mirror = {to = "APP", fraction = 0.1, prefixes = ["/"]}`` (or ``address =
     "host:port"`` instead of ``to``; ``tenants``, ``key``, ``compare``: :class:`~blocks.routing.MirrorSetting`)
-    as its :class:`~blocks.routing.AppSettings`, the record the route store holds for the app."""
-    fields = _table(value, _APP_MIRROR, "mirror")
-    try:
-        mirror = MirrorSetting(**fields)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"mirror: {exc}") from None
-    return AppSettings(mirror=mirror)
+    and ``sessions = {max_per_replica = 4, ...}`` (:class:`~blocks.routing.SessionSetting`; the app is
+    sessioned), either None when absent, as its :class:`~blocks.routing.AppSettings`, the record the
+    route store holds for the app."""
+    mirror = None
+    if value is not None:
+        fields = _table(value, _APP_MIRROR, "mirror")
+        try:
+            mirror = MirrorSetting(**fields)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"mirror: {exc}") from None
+    return AppSettings(mirror=mirror, sessions=None if sessions is None else decode_sessions(sessions))
 
 
 # -- joining the tables -------------------------------------------------------------------------
@@ -326,6 +330,10 @@ def hop_options(
     auth: AuthSettings | None = settings.get("auth")
     sessions: SessionSettings | None = settings.get("sessions")
     mirror: MirrorConfig | None = settings.get("mirror")
+    apps = settings.get("apps") or {}
+    app_settings = [app.settings for app in apps.values() if getattr(app, "settings", None) is not None]
+    if sessions is None and any(own.sessions is not None for own in app_settings):
+        sessions = SessionSettings(config=SessionConfig(apps=()))  # an app's sessions = {...}: [sessions]' defaults
     options: dict[str, Any] = {}
     worker = {} if sessions is None else {"sessions": sessions.worker}
     if auth is not None:
@@ -341,8 +349,7 @@ def hop_options(
             if error is None:
                 raise ValueError(message) from None
             error(message)
-    apps = settings.get("apps") or {}
-    if mirror is not None or any(getattr(app, "settings", None) is not None for app in apps.values()):
+    if mirror is not None or any(own.mirror is not None for own in app_settings):
         options["mirror"] = mirror or MirrorConfig()
     return {"proxy": options, "worker": worker}
 

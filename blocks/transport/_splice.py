@@ -61,7 +61,9 @@ _STATUS = {code: b"%d" % code for code in range(100, 600)}
 
 HeadFilter = Callable[[int, Headers], "Headers | None"]
 """Rewrites the response head on its way downstream (Server-Timing, ...); None: the
-hop took the exchange over (it sent the request again elsewhere), drop this head."""
+hop took the exchange over (it sent the request again elsewhere), drop this head. On the
+hop's own error answer, a ``:status`` field first in what it returns changes that
+answer's status (the hop re-classified its error)."""
 
 Tap = Callable[[bytes, bool, "Headers | None"], None]
 """Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks.transport._tap`)."""
@@ -456,6 +458,8 @@ class Splice:
         """This hop's error answer in place of the upstream's, its head through ``head_filter``."""
         if self.head_filter is not None:
             headers = self.head_filter(status, headers) or headers
+            if headers and headers[0][0] == b":status":
+                status, headers = int(headers[0][1]), headers[1:]
         return error_response(status, headers)
 
     def _abort(self) -> None:
