@@ -603,7 +603,7 @@ async def serve_proxy(
                     autoscale=autoscale,
                     apps=routes.app_replicas,
                     on_report=broker.report if broker is not None else None,
-                    session_apps=sessions.apps if sessions is not None else (),
+                    session_apps=broker.apps if broker is not None else (),  # (a live set: settings add apps)
                     on_poll=checker.observe if checker is not None else None,
                 )
             )
