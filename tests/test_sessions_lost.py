@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 
 import attrs
 import httpx
+import pytest
 import trio
 from support import wait_for
 
@@ -69,13 +70,13 @@ class Room:
         record = encode_settings(AppSettings(sessions=SessionSetting(**limits)))  # type: ignore[arg-type]
         self.chain.store.transact({route_key_for_settings("room"): record})
 
-    async def add_replicas(self, *names: str) -> None:
-        """Start ``names`` (demo replicas) and route them behind the chain's worker."""
+    async def add_replicas(self, *names: str, protocol: str = "h2") -> None:
+        """Start ``names`` (demo replicas) and route them behind the chain's worker (over ``protocol``)."""
         local = {}
         for name in names:
             scope = self.scopes[name] = trio.CancelScope()
             server = await self.chain.start(functools.partial(_serve_killable, name, scope))
-            local[name] = LocalReplica((self.chain.host, server.port))
+            local[name] = LocalReplica((self.chain.host, server.port), protocol)
         worker = self.chain.workers[0][0]
         self.chain.store.transact(route_records("room", local, worker=(self.chain.host, worker.port)))
 
@@ -173,21 +174,24 @@ async def test_a_start_at_zero_replicas_gets_a_503_past_the_queue_timeout() -> N
             assert answer.headers["proxyblocks-error"].startswith("no_replica")
 
 
-async def test_a_killed_replica_loses_its_sessions_once_and_never_sends_them_elsewhere() -> None:
+@pytest.mark.parametrize("protocol", ["h2", "h1"])  # (spliced, and the worker's handler path)
+async def test_a_killed_replica_loses_its_sessions_once_and_never_sends_them_elsewhere(protocol: str) -> None:
     with trio.fail_after(30):
         async with room_chain(max_per_replica=8) as room:
-            await room.add_replicas("room-0", "room-1")
+            await room.add_replicas("room-0", "room-1", protocol=protocol)
             tokens = {}
             while set(tokens) != {"room-0", "room-1"} or len(tokens.get("room-0", [])) < 2:
                 started = (await room.start()).json()
                 tokens.setdefault(started["replica"], []).append(started["token"])
             room.kill("room-0")
             worker = room.chain.workers[0][1]
-            for token in tokens["room-0"]:
-                lost = await room.get(token)
-                assert lost.status_code in (410, 503), lost.text
-                assert lost.headers["proxyblocks-error"].startswith("session_lost")
-                assert lost.headers["proxyblocks-session-ended"] in ("replica-unreachable", "not-hosted")
+            answers = [await room.get(token) for token in tokens["room-0"]]
+            assert [(lost.status_code, lost.headers["proxyblocks-session-ended"]) for lost in answers] == [
+                (503, "replica-unreachable"),  # the first finds out; the worker ends them all
+                *[(410, "not-hosted")] * (len(answers) - 1),
+            ]
+            for lost in answers:
+                assert lost.headers["proxyblocks-error"] == "session_lost; hop=worker", lost.headers
             assert worker.sessions is not None
             statistics = worker.sessions.statistics()
             assert statistics.ended.get("lost") == len(tokens["room-0"])  # all at the first loss, once
