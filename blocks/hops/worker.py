@@ -10,7 +10,15 @@ import attrs
 import trio
 
 from blocks.errors import NoRoute, UpstreamConnectError
-from blocks.fields import LOAD_PATH, PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
+from blocks.fields import (
+    LOAD_PATH,
+    PROBE_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    SESSION_LIMIT_HEADER,
+    SESSIONS_PATH,
+    TARGET_HEADER,
+)
 from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop, hop_listener
 from blocks.hops.proxy import InFlight
 from blocks.http import Request, Response, text_response
@@ -222,10 +230,11 @@ class Worker(Hop):
         The proxy's control request names the replica
         (``x-proxyblocks-replica``) and, for one the worker does not list,
         where it is (``x-proxyblocks-target``, as its requests carry it):
-        the tracker takes it on with no session limit of its own (its
-        ``max_sessions`` is not known here: the proxy's
-        ``SessionConfig.max_per_replica`` caps it, the worker's
-        ``max_sessions`` bounds them all). A target the worker could not
+        the tracker takes it on. A replica with no session limit of its own
+        here (taken on so, or listed without ``max_sessions``) is held to
+        the one the proxy names (``x-proxyblocks-session-limit``, its
+        ``max_per_replica``), whatever proxy starts there next; without
+        one, only the worker's ``max_sessions`` bounds it. A target the worker could not
         reach is a :class:`~blocks.errors.NoRoute` (503), as its requests
         would be. Without a target, nothing is taken on: the answer is a 404.
         """
@@ -235,9 +244,12 @@ class Worker(Hop):
         if tracker is None or not key or wire is None:
             return
         name = key.decode("ascii", "replace")
+        limit = request.header(SESSION_LIMIT_HEADER) or b""
         if name not in tracker.capacities:
             self._route._target(wire)
-            tracker.add(name)
+            tracker.add(name, int(limit) if limit.isdigit() else 0)
+        elif not tracker.capacities[name] and limit.isdigit():
+            tracker.capacities[name] = int(limit)
 
     def load(self) -> dict[str, ReplicaLoad]:
         """Per replica: requests in flight now, its configured capacity, and its sessions when it keeps them.
@@ -256,7 +268,7 @@ class Worker(Hop):
                 loads[name] = ReplicaLoad(in_flight[name], replica.capacity)
             else:
                 loads[name] = ReplicaLoad(
-                    in_flight[name], replica.capacity, tracker.active(name), replica.max_sessions, tracker.revision
+                    in_flight[name], replica.capacity, tracker.active(name), tracker.capacities[name], tracker.revision
                 )
         if len(in_flight) > len(self.replicas):
             others = [name for name in in_flight if name not in self.replicas]

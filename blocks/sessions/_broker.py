@@ -15,7 +15,14 @@ import trio
 
 from blocks._sync import one_error
 from blocks.errors import NoRoute, SessionGone, Unauthorized, UpstreamProtocolError, UpstreamTimeout
-from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
+from blocks.fields import (
+    PROBE_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    SESSION_LIMIT_HEADER,
+    SESSIONS_PATH,
+    TARGET_HEADER,
+)
 from blocks.http import Headers, Request, Response, json_response
 from blocks.sessions._core import SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
 from blocks.sessions._core_tracker import SessionTracker
@@ -263,6 +270,8 @@ class SessionBroker:
             (TARGET_HEADER, replica.target),  # where it is: a worker keeps sessions for a replica it reaches by route
             (REPLICA_HEADER, replica.name.encode()),
         ]
+        if self.config.max_per_replica:  # a worker holds a replica it takes on to it
+            fields.append((SESSION_LIMIT_HEADER, b"%d" % self.config.max_per_replica))
         with trio.move_on_after(self.control_timeout):
             response = await self.upstreams.request(replica.worker, request, fields)
             try:

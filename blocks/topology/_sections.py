@@ -306,13 +306,18 @@ def read_app_settings(value: object) -> AppSettings:
 def hop_options(
     settings: Mapping[str, Any], *, error: Callable[[str], NoReturn] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Each hop's keywords from what a command's config file said: ``{"proxy": ..., "worker": ...}``.
+    """Each hop's keywords from what a command's config file said: ``{"proxy": ..., "worker": ...,
+    "replica": ...}``.
 
     ``settings`` holds the namespace of a parser whose sections include
     :func:`proxy_sections`' (``auth``, ``sessions``, ``mirror``, ``apps``;
     ``config``: the file, for errors). The worker's (for
     :func:`~blocks.serve_worker`) has ``sessions`` (a
-    :class:`~blocks.WorkerSessionConfig`) with ``[sessions]``. The
+    :class:`~blocks.WorkerSessionConfig`) with ``[sessions]``; ``replica``
+    holds the :class:`~blocks.LocalReplica` fields of the servers a worker
+    runs beside (``--replica``): ``max_sessions``, the ``[sessions]
+    max_per_replica``, so that the worker, which has the last word, holds
+    each replica to it whatever the proxies' estimates. The
     proxy's (for :func:`~blocks.serve_proxy`) has ``auth`` (a
     :class:`~blocks.tokens.ProxyAuth`), ``sessions`` with
     ``session_issuer`` (the ``[sessions] kid`` key, from
@@ -328,6 +333,7 @@ def hop_options(
     mirror: MirrorConfig | None = settings.get("mirror")
     options: dict[str, Any] = {}
     worker = {} if sessions is None else {"sessions": sessions.worker}
+    replica = {"max_sessions": sessions.config.max_per_replica} if sessions is not None else {}
     if auth is not None:
         verifier = TokenVerifier(Keyring(auth.keys), auth.verifier)
         options["auth"] = ProxyAuth(
@@ -344,7 +350,7 @@ def hop_options(
     apps = settings.get("apps") or {}
     if mirror is not None or any(getattr(app, "settings", None) is not None for app in apps.values()):
         options["mirror"] = mirror or MirrorConfig()
-    return {"proxy": options, "worker": worker}
+    return {"proxy": options, "worker": worker, "replica": replica}
 
 
 def _sessions(sessions: SessionSettings, shared: tuple[TokenKey, ...]) -> dict[str, Any]:
