@@ -34,6 +34,13 @@ SESSION_HEADER = b"x-proxyblocks-session"
 session token). Read by the worker, which counts the request in that session
 (a 410 if it does not host it), and seen by the replica."""
 
+SESSION_LIMIT_HEADER = b"x-proxyblocks-session-limit"
+"""Written by the proxy on its session starts and ends: the most sessions one
+replica of the app hosts (its ``max_per_replica``), when it has a limit. Read
+by a worker taking on a replica it does not list (reached by its route), which
+holds it to that limit from then on: the worker has the last word on a place,
+so several proxies' starts never take a replica past the limit."""
+
 PROBE_HEADER = b"x-proxyblocks-probe"
 """Written by the proxy's prober and session broker on their own requests.
 Read by the worker: with it, :data:`LOAD_PATH` and :data:`SESSIONS_PATH`
@@ -101,5 +108,6 @@ __all__ = [
     "SESSIONS_PATH",
     "SESSION_HEADER",
     "SESSION_TOKEN_HEADER",
+    "SESSION_LIMIT_HEADER",
     "TARGET_HEADER",
 ]

@@ -16,10 +16,15 @@ protocol the request reached hypercorn with):
 - ``POST /ignore``: never reads the body, never answers (until the client goes);
 - ``GET /big-head?size=N``: 200 with a field ``x-big`` of N bytes;
 - anything else: 404, ``no page PATH\\n``.
+
+And one WebSocket route, ``/ws-echo``: its first message is ``hypercorn-PORT
+SESSION`` (``SESSION``: the ``x-proxyblocks-session`` it was opened with, or
+``-``), then every message comes back as it was sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +35,36 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 
+def _guard_hypercorn_h2() -> None:
+    """Hypercorn 0.18 (the latest) forgets a WebSocket's h2 stream (RFC 8441) at the close handshake,
+    before the peer's END_STREAM and without sending its own, and the DATA frame that carries the
+    peer's END_STREAM then raises a KeyError that, under the trio worker, stops the whole server
+    (pgjones/hypercorn#329; its fix, PR #334, is not released). Until it is: data for a stream it
+    forgot is acknowledged and dropped (the fix), and the peer's END_STREAM is answered with this
+    side's, so that the stream ends rather than stays open on the connection for ever."""
+    import h2.events
+    import h2.exceptions
+    from hypercorn.protocol.h2 import H2Protocol
+
+    handle = H2Protocol._handle_events
+
+    async def guarded(self: H2Protocol, events: list[h2.events.Event]) -> None:
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                if event.stream_ended is not None:
+                    with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                        self.connection.end_stream(event.stream_id)
+                await self._flush()
+            elif not (isinstance(event, h2.events.StreamEnded) and event.stream_id not in self.streams):
+                await handle(self, [event])
+
+    H2Protocol._handle_events = guarded  # type: ignore[method-assign]
+
+
+_guard_hypercorn_h2()
+
+
 async def app(
     scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
 ) -> None:
@@ -37,6 +72,9 @@ async def app(
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["type"] == "websocket":
+        await _ws_echo(scope, receive, send)
         return
     assert scope["type"] == "http"
     path = scope["path"]
@@ -95,3 +133,22 @@ async def app(
     else:
         await start(404)
         await body(f"no page {path}\n".encode())
+
+
+async def _ws_echo(
+    scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+) -> None:
+    """``/ws-echo``: who this replica is and which session opened it, then an echo until the client closes."""
+    if (await receive())["type"] != "websocket.connect":
+        return
+    if scope["path"] != "/ws-echo":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    session = dict(scope["headers"]).get(b"x-proxyblocks-session", b"-").decode()
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "text": f"hypercorn-{scope['server'][1]} {session}"})
+    while True:
+        message = await receive()
+        if message["type"] != "websocket.receive":
+            return
+        await send({"type": "websocket.send", "text": message.get("text"), "bytes": message.get("bytes")})

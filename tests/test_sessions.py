@@ -421,11 +421,12 @@ async def test_a_replica_the_worker_reaches_by_its_route_keeps_sessions_like_a_l
             answers = [(await start_session(c, chain)).json() for _ in range(4)]
             assert sorted(a["replica"] for a in answers) == ["room-0", "room-0", "room-1", "room-1"]
             full = await start_session(c, chain)
-            assert full.status_code == 503  # the proxy's max_per_replica caps a replica whose own limit is unknown
+            assert full.status_code == 503  # max_per_replica caps a replica whose own limit is unknown
             for a in answers:
                 response = await c.get(chain.url + "/x", headers=session_headers(a["token"]))
                 assert (response.status_code, response.headers["x-replica"]) == (200, a["replica"])
             loads = chain.worker.load()
+            # the worker took each on and holds it to the proxy's max_per_replica (its own limit, reported: none)
             assert [(loads[n].sessions, loads[n].session_capacity) for n in ("room-0", "room-1")] == [(2, 0), (2, 0)]
             ended = await c.delete(chain.url + "/.proxyblocks/sessions", headers=session_headers(answers[0]["token"]))
             assert ended.status_code == 204

@@ -17,6 +17,7 @@ from blocks.fields import (
     PROBE_HEADER,
     REPLICA_HEADER,
     SESSION_HEADER,
+    SESSION_LIMIT_HEADER,
     SESSIONS_PATH,
     TARGET_HEADER,
 )
@@ -255,10 +256,12 @@ class Worker(Hop):
         The proxy's control request names the replica
         (``x-proxyblocks-replica``) and, for one the worker does not list,
         where it is (``x-proxyblocks-target``, as its requests carry it):
-        the tracker takes it on with no session limit of its own (its
-        ``max_sessions`` is not known here: the proxy's
-        ``SessionConfig.max_per_replica`` caps it, the worker's
-        ``max_sessions`` bounds them all). A target the worker could not
+        the tracker takes it on. A replica with no session limit of its own
+        here (taken on so, or listed without ``max_sessions``) is held to
+        the one the proxy names (``x-proxyblocks-session-limit``, its
+        ``max_per_replica``, its latest word: the app's settings may change it),
+        whatever proxy starts there next; without one, only the worker's
+        ``max_sessions`` bounds it. A target the worker could not
         reach is a :class:`~blocks.errors.NoRoute` (503), as its requests
         would be. Without a target, nothing is taken on: the answer is a 404.
         """
@@ -268,9 +271,12 @@ class Worker(Hop):
         if tracker is None or not key or wire is None:
             return
         name = key.decode("ascii", "replace")
+        limit = request.header(SESSION_LIMIT_HEADER) or b""
         if name not in tracker.capacities:
             self._route._target(wire)
             tracker.add(name)
+        if limit.isdigit():
+            tracker.hold(name, int(limit))
 
     def load(self) -> dict[str, ReplicaLoad]:
         """Per replica: requests in flight now, its configured capacity, and its sessions when it keeps them.
@@ -289,7 +295,7 @@ class Worker(Hop):
                 loads[name] = ReplicaLoad(in_flight[name], replica.capacity)
             else:
                 loads[name] = ReplicaLoad(
-                    in_flight[name], replica.capacity, tracker.active(name), replica.max_sessions, tracker.revision
+                    in_flight[name], replica.capacity, tracker.active(name), tracker.capacities[name], tracker.revision
                 )
         if len(in_flight) > len(self.replicas):
             others = [name for name in in_flight if name not in self.replicas]

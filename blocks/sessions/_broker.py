@@ -15,7 +15,14 @@ import trio
 
 from blocks._sync import one_error
 from blocks.errors import NoRoute, SessionLost, Unauthorized, UpstreamProtocolError, UpstreamTimeout
-from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSION_HEADER, SESSIONS_PATH, TARGET_HEADER
+from blocks.fields import (
+    PROBE_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    SESSION_LIMIT_HEADER,
+    SESSIONS_PATH,
+    TARGET_HEADER,
+)
 from blocks.http import Headers, Request, Response, json_response
 from blocks.routing import RouteCache, RouteTable
 from blocks.sessions._core import SessionConfig, SessionPlacer, SessionStatistics, SessionTicket
@@ -230,7 +237,7 @@ class SessionBroker:
                 self._grant(app)  # places the estimate freed since (an answer, a report) go in queue order
                 replica = await self._wait(ticket)
             session = secrets.token_urlsafe(16)
-            if await self._open(replica, session):
+            if await self._open(replica, session, placer.limits(app).max_per_replica):
                 break
             # Its worker was full after all (another proxy filled it): try again with
             # what it told us, then wait in the queue rather than go round the replicas.
@@ -299,10 +306,10 @@ class SessionBroker:
             raise self.placer.timeout_error(ticket)
         return ticket.replica
 
-    async def _open(self, replica: Replica, session: str) -> bool:
-        """Ask the worker to host ``session`` on ``replica``: True if it did, False if it was full."""
+    async def _open(self, replica: Replica, session: str, limit: int) -> bool:
+        """Ask the worker to host ``session`` on ``replica`` (held to ``limit``): True if it did, False if full."""
         try:
-            status, active, capacity, revision = await self._control(b"POST", replica, session)
+            status, active, capacity, revision = await self._control(b"POST", replica, session, limit)
         except BaseException:
             self.placer.unanswered(replica.name)
             self._grant_all()
@@ -319,8 +326,11 @@ class SessionBroker:
         for app in self.apps:
             self._grant(app)
 
-    async def _control(self, method: bytes, replica: Replica, session: str) -> tuple[int, int, int, int]:
-        """One control request to ``replica``'s worker: ``(status, active sessions, capacity, revision)``."""
+    async def _control(
+        self, method: bytes, replica: Replica, session: str, limit: int = 0
+    ) -> tuple[int, int, int, int]:
+        """One control request to ``replica``'s worker: ``(status, active sessions, capacity, revision)``;
+        ``limit``: the app's ``max_per_replica`` (0: none), which the worker holds the replica to."""
         host, port = replica.worker
         request = Request(method, b"http", f"{host}:{port}".encode(), SESSIONS_PATH)
         fields = [
@@ -329,6 +339,8 @@ class SessionBroker:
             (TARGET_HEADER, replica.target),  # where it is: a worker keeps sessions for a replica it reaches by route
             (REPLICA_HEADER, replica.name.encode()),
         ]
+        if limit:  # a worker holds a replica it takes on to it
+            fields.append((SESSION_LIMIT_HEADER, b"%d" % limit))
         with trio.move_on_after(self.control_timeout):
             response = await self.upstreams.request(replica.worker, request, fields)
             try:

@@ -87,6 +87,7 @@ class SessionTracker:
         self.capacities = dict(capacities)
         self.max_added = max_added
         self._added: set[str] = set()  # replicas taken on by add(), not in the worker's own list
+        self._held: dict[str, int] = {}  # the proxy's limit for a replica with none of its own (hold)
         self._active: dict[str, int] = dict.fromkeys(capacities, 0)
         self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()  # oldest activity first
         self._idle = config.idle_timeout
@@ -118,9 +119,19 @@ class SessionTracker:
             for name in [name for name in added if not active[name]]:
                 added.discard(name)
                 del self.capacities[name], active[name]
+                self._held.pop(name, None)
         added.add(replica)
         self.capacities[replica] = capacity
         self._active[replica] = 0
+
+    def hold(self, replica: str, limit: int) -> None:
+        """Hold ``replica`` to ``limit`` sessions (the proxy's ``max_per_replica`` for its app, its latest
+        word), unless the worker lists it with a ``max_sessions`` of its own. A known replica only.
+        ``capacities`` (what the worker reports) stay the replicas' own limits: a proxy's estimate
+        takes the smaller of the worker's figure and its own limit, so echoing its limit back
+        would keep an old one after the proxy raised it."""
+        if replica in self.capacities and not self.capacities[replica]:
+            self._held[replica] = limit
 
     def open(self, session: str, replica: str, now: float) -> bool:
         """Host ``session`` on ``replica``; False if the replica (or the worker) is full.
@@ -134,6 +145,7 @@ class SessionTracker:
         capacity = self.capacities.get(replica)
         if capacity is None:
             raise KeyError(replica)
+        capacity = capacity or self._held.get(replica, 0)
         if (capacity and self._active[replica] >= capacity) or len(self._sessions) >= self.config.max_sessions:
             self._refused += 1
             return False

@@ -1,9 +1,12 @@
-"""A chain of processes, one per hop, several of each: what the failover test and benchmark run.
+"""A chain of processes, one per hop, several of each: what the failover and sessions tests and benchmark run.
 
 :class:`ProcessFleet` starts ``python -m recipes.chain --role worker|proxy|edge``
 processes (and replica processes from command templates) on fixed loopback
 ports picked once, so that a part killed or stopped can be started again on
-the same address, as an operator's service manager would. Each part is
+the same address, as an operator's service manager would. The hops find each
+other by their flags (``--next-hop``), or, given the fleet's etcd, there: each
+worker registers the replicas beside it, each proxy itself, and the edge
+follows the proxies. Each part is
 addressed by its name (``replica-0``, ``worker-1``, ``proxy-2``, ``edge``);
 :meth:`ProcessFleet.kill` sends SIGKILL, :meth:`ProcessFleet.stop` SIGTERM
 (a drain) and waits for the exit, :meth:`ProcessFleet.start` starts it again
@@ -26,7 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -80,8 +83,16 @@ class ProcessFleet:
     listens, and how the workers reach it (``h2c``, ``http``). Every replica
     is reachable through every worker (the proxies route each replica behind
     each worker), so a dead worker takes out only the routes through it.
+
+    ``route_source``: the fleet's etcd (a client URL). Every hop then finds
+    the others there (``--route-source``): each replica sits beside one
+    worker, which registers it (``beside``: worker name -> its replicas'
+    names; default: dealt in turn), the proxies route from etcd and register
+    themselves, the edge follows them. :attr:`routed` names each replica as
+    the routes do (``replica-0@worker-1``).
+
     ``codec``: the HTTP/2 codec of the hops (default: ``$PROXYBLOCKS_CODEC``, else ``auto``).
-    ``extra``: more flags for every hop.
+    ``extra``: more flags for every hop (``--config FILE``, say).
     """
 
     replicas: dict[str, tuple[Sequence[str], str, str]]
@@ -90,7 +101,11 @@ class ProcessFleet:
     codec: str | None = None
     cwd: Path | None = None
     extra: Sequence[str] = ()
+    route_source: str | None = None
+    beside: Mapping[str, Sequence[str]] | None = None
     parts: dict[str, Part] = attrs.field(factory=dict)
+    routed: dict[str, str] = attrs.field(factory=dict)
+    """With ``route_source``: each replica's name in the routes (and in the session tokens), by its part's name."""
     _nursery: trio.Nursery | None = None
 
     def _plan(self) -> None:
@@ -101,17 +116,29 @@ class ProcessFleet:
         free_port = ports.__next__
         for name, (command, ready, _) in self.replicas.items():
             self.parts[name] = Part(name, [arg.replace("{name}", name) for arg in command], free_port(), ready)
-        urls = [f"{scheme}://{HOST}:{self.parts[name].port}" for name, (_, _, scheme) in self.replicas.items()]
+        urls = {name: f"{scheme}://{HOST}:{self.parts[name].port}" for name, (_, _, scheme) in self.replicas.items()}
         workers = [f"worker-{j}" for j in range(1, self.workers + 1)]
-        for name in workers:
-            self.parts[name] = Part(name, [*hop, "--role", "worker", "--name", name], free_port(), listening)
-        next_hops = [arg for name in workers for arg in ("--next-hop", f"h2c://{HOST}:{self.parts[name].port}")]
-        replicas = [arg for url in urls for arg in ("--replica", url)]
         proxies = [f"proxy-{k}" for k in range(1, self.proxies + 1)]
-        for name in proxies:
-            command = [*hop, "--role", "proxy", "--name", name, *next_hops, *replicas]
-            self.parts[name] = Part(name, command, free_port(), listening)
-        front = [arg for name in proxies for arg in ("--next-hop", f"h2c://{HOST}:{self.parts[name].port}")]
+        if self.route_source is not None:  # the hops find each other in etcd
+            fleet = ["--route-source", self.route_source]
+            beside = self.beside or {name: list(urls)[j :: len(workers)] for j, name in enumerate(workers)}
+            for name in workers:
+                yours = [arg for replica in beside.get(name, ()) for arg in ("--replica", urls[replica])]
+                self.routed |= {replica: f"replica-{i}@{name}" for i, replica in enumerate(beside.get(name, ()))}
+                command = [*hop, "--role", "worker", "--name", name, *fleet, *yours]
+                self.parts[name] = Part(name, command, free_port(), listening)
+            for name in proxies:
+                self.parts[name] = Part(name, [*hop, "--role", "proxy", "--name", name, *fleet], free_port(), listening)
+            front = fleet
+        else:  # each proxy routes every replica behind each worker
+            for name in workers:
+                self.parts[name] = Part(name, [*hop, "--role", "worker", "--name", name], free_port(), listening)
+            next_hops = [arg for name in workers for arg in ("--next-hop", f"h2c://{HOST}:{self.parts[name].port}")]
+            replicas = [arg for url in urls.values() for arg in ("--replica", url)]
+            for name in proxies:
+                command = [*hop, "--role", "proxy", "--name", name, *next_hops, *replicas]
+                self.parts[name] = Part(name, command, free_port(), listening)
+            front = [arg for name in proxies for arg in ("--next-hop", f"h2c://{HOST}:{self.parts[name].port}")]
         self.parts["edge"] = Part("edge", [*hop, "--role", "edge", *front], free_port(), r"^edge listening on ")
 
     @property

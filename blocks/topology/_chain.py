@@ -371,7 +371,7 @@ class Chain:
         name = name or self.worker.name
         records: dict[str, bytes] = {}
         for app, spec in apps.items():
-            renamed = {f"{replica}@{name}": local for replica, local in spec.replicas.items()}
+            renamed = {beside_name(replica, name): local for replica, local in spec.replicas.items()}
             records |= route_records(app, renamed, worker=worker, domains=spec.domains, settings=spec.settings)
         lasting = {key: value for key, value in records.items() if "/replicas/" not in key}
         await self.register(source, {k: v for k, v in records.items() if k not in lasting}, lasting=lasting)
@@ -442,6 +442,11 @@ class Chain:
     def cancel(self) -> None:
         """Stop everything the chain runs at once, without a drain (its nursery is cancelled)."""
         self._nursery.cancel_scope.cancel()
+
+
+def beside_name(replica: str, worker: str) -> str:
+    """The name replica ``replica`` beside worker ``worker`` is registered (and listed) by: ``replica@worker``."""
+    return f"{replica}@{worker}"
 
 
 def behind_workers(

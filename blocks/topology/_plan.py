@@ -27,8 +27,9 @@ import attrs
 from blocks.hops import ProxyConfig
 from blocks.routing import Address
 from blocks.scheduler import SchedulerConfig
+from blocks.sessions import WorkerSessionConfig
 from blocks.sources import EtcdSource
-from blocks.topology._chain import Chain
+from blocks.topology._chain import Chain, beside_name
 from blocks.topology._records import LOOPBACK, App, replica_from_url
 from blocks.transport.multiplexer import UpstreamConfig
 
@@ -49,8 +50,15 @@ class ChainPlan:
     ``route_source``: the fleet's etcd (the proxy's routes; a worker and a
     proxy register there, at ``advertise`` or where they listen; an edge
     finds the proxies there). ``options``: each hop's keywords from the
-    config file; ``reread``: new ``replica_urls`` and ``apps`` on reload.
+    config file (and ``replica``: each replica's :class:`~blocks.LocalReplica`
+    fields, its ``max_sessions``); ``reread``: new ``replica_urls`` and ``apps`` on reload.
     Every other field is the flag of the same name (docs/recipes.md).
+
+    Sessions wherever it runs: a ``worker`` process keeps sessions (the
+    ``[sessions]`` of ``options``, else :class:`~blocks.WorkerSessionConfig`'s
+    defaults) for every replica a proxy starts one on, and lists the
+    replicas beside it by the names it registers them with, each held to
+    its ``max_sessions`` whatever proxy starts there.
     """
 
     role: str = attrs.field(default="chain", validator=attrs.validators.in_(ROLES))
@@ -97,9 +105,17 @@ class ChainPlan:
         return {"port": self.port if self.role == hop else 0, **(self.options or {}).get(hop, {})}
 
     def _yours(self, urls: Sequence[str], apps: Mapping[str, App] | None) -> dict[str, App]:
-        """Your servers as the app ``demo`` (every domain), and ``apps``."""
+        """Your servers as the app ``demo`` (every domain), and ``apps``, each replica with the
+        config file's fields for it (``options["replica"]``: its ``max_sessions``)."""
+        fields = (self.options or {}).get("replica", {})
         yours = {f"replica-{i}": replica_from_url(url) for i, url in enumerate(urls)}
-        return {"demo": App(("*",), yours), **(apps or {})} if yours else dict(apps or {})
+        every = {"demo": App(("*",), yours), **(apps or {})} if yours else dict(apps or {})
+        if not fields:
+            return every
+        return {
+            name: attrs.evolve(app, replicas={key: attrs.evolve(one, **fields) for key, one in app.replicas.items()})
+            for name, app in every.items()
+        }
 
     async def build(self, chain: Chain) -> None:
         """Start this plan's parts in ``chain``, back to front (what :func:`~blocks.topology.serve_chain` calls)."""
@@ -129,24 +145,31 @@ class ChainPlan:
         # A pooled connection to a replica idles out before common servers' keep-alive (Hypercorn's
         # and uvicorn's 5 s) closes it under a request it could not resend.
         upstream = UpstreamConfig(response_timeout=self.replica_timeout, ca_file=self.replica_ca, h2_idle_timeout=4.0)
+        options = self._options("worker")
+        fields = (self.options or {}).get("replica", {})  # the demo replicas' max_sessions, as your servers'
+        if self.role == "worker":  # a fleet's proxies may open sessions on any replica it reaches
+            options.setdefault("sessions", WorkerSessionConfig())
+        beside = self._yours(self.replica_urls, self.apps) if self.role == "worker" and self.route_source else {}
         addresses = []
         for j in range(1, self.workers + 1):
             named = f"replica-{{}}@worker-{j}" if self.workers > 1 else "replica-{}"
             local = {
-                named.format(i): await chain.start_replica(named.format(i), protocol=self.replica_protocol)
+                named.format(i): await chain.start_replica(named.format(i), protocol=self.replica_protocol, **fields)
                 for i in demo
             }
             worker = self.name or (f"worker-{j}" if self.workers > 1 else "worker")
-            server, _ = await chain.start_worker(
-                local, app=None, upstream=upstream, name=worker, **self._options("worker")
-            )
+            # A worker lists the replicas beside it by the names it registers them with, so it holds
+            # each to its max_sessions from the first start, and its load reports them from the first poll.
+            listed = local or {
+                beside_name(key, worker): one for app in beside.values() for key, one in app.replicas.items()
+            }
+            server, _ = await chain.start_worker(listed, app=None, upstream=upstream, name=worker, **options)
             addresses.append((self.host, server.port))
             if local:
                 chain.route({"demo": App(("*",), local)}, worker=addresses[-1], layer=worker)
-            if self.role == "worker" and self.route_source:  # the replicas beside it, for every proxy of the fleet
-                fleet = self._yours(self.replica_urls, self.apps)
+            if beside:  # the replicas beside it, for every proxy of the fleet
                 await chain.register_replicas(
-                    EtcdSource(self.route_source), fleet, worker=self.advertise or addresses[-1]
+                    EtcdSource(self.route_source or ""), beside, worker=self.advertise or addresses[-1]
                 )
         return addresses
 

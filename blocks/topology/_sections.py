@@ -310,13 +310,18 @@ def read_app_settings(value: object, sessions: object = None) -> AppSettings:
 def hop_options(
     settings: Mapping[str, Any], *, error: Callable[[str], NoReturn] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Each hop's keywords from what a command's config file said: ``{"proxy": ..., "worker": ...}``.
+    """Each hop's keywords from what a command's config file said: ``{"proxy": ..., "worker": ...,
+    "replica": ...}``.
 
     ``settings`` holds the namespace of a parser whose sections include
     :func:`proxy_sections`' (``auth``, ``sessions``, ``mirror``, ``apps``;
     ``config``: the file, for errors). The worker's (for
     :func:`~blocks.serve_worker`) has ``sessions`` (a
-    :class:`~blocks.WorkerSessionConfig`) with ``[sessions]``. The
+    :class:`~blocks.WorkerSessionConfig`) with ``[sessions]``; ``replica``
+    holds the :class:`~blocks.LocalReplica` fields of the servers a worker
+    runs beside (``--replica``): ``max_sessions``, the ``[sessions]
+    max_per_replica``, so that the worker, which has the last word, holds
+    each replica to it whatever the proxies' estimates. The
     proxy's (for :func:`~blocks.serve_proxy`) has ``auth`` (a
     :class:`~blocks.tokens.ProxyAuth`), ``sessions`` with
     ``session_issuer`` (the ``[sessions] kid`` key, from
@@ -336,6 +341,7 @@ def hop_options(
         sessions = SessionSettings(config=SessionConfig(apps=()))  # an app's sessions = {...}: [sessions]' defaults
     options: dict[str, Any] = {}
     worker = {} if sessions is None else {"sessions": sessions.worker}
+    replica = {"max_sessions": sessions.config.max_per_replica} if sessions is not None else {}
     if auth is not None:
         verifier = TokenVerifier(Keyring(auth.keys), auth.verifier)
         options["auth"] = ProxyAuth(
@@ -351,7 +357,7 @@ def hop_options(
             error(message)
     if mirror is not None or any(own.mirror is not None for own in app_settings):
         options["mirror"] = mirror or MirrorConfig()
-    return {"proxy": options, "worker": worker}
+    return {"proxy": options, "worker": worker, "replica": replica}
 
 
 def _sessions(sessions: SessionSettings, shared: tuple[TokenKey, ...]) -> dict[str, Any]:
