@@ -26,11 +26,23 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import h2.events
 import httpx
 import pytest
 import trio
 import trio_websocket
-from support import HOST, HYPERCORN, child_process, connect_websocket, record_relays, wait_books_balanced, wait_for
+import wsproto.connection
+import wsproto.events
+from support import (
+    HOST,
+    HYPERCORN,
+    RawH2Client,
+    child_process,
+    connect_websocket,
+    record_relays,
+    wait_books_balanced,
+    wait_for,
+)
 from wsproto.frame_protocol import FrameProtocol
 
 from blocks import (
@@ -144,6 +156,8 @@ async def test_a_drained_replicas_websockets_get_a_close_frame_and_its_sessions_
                     assert answer == {"ended": 1, "websockets": 2, "cut": 0}
                     for ws in (first, second):
                         assert await closed_with(ws) == (1001, "session ended: drained")
+                    # the replica's side of each tunnel is closed too: the room's members left
+                    await wait_for(lambda: not chat.rooms[session["session"]].members, "the members gone")
                 later = await client.get("/", headers={"proxyblocks-session": token})
                 assert later.status_code == 410
                 assert later.headers["proxyblocks-session-ended"] == "drained"
@@ -166,6 +180,46 @@ async def test_a_websocket_of_no_session_on_a_drained_replica_is_closed_too(prot
                 assert await ws.get_message() == "ping"
                 assert await drain_replica(worker_server.port, "demo-0") == {"ended": 0, "websockets": 1, "cut": 0}
                 assert await closed_with(ws) == (1001, "replica drained")
+            chain.cancel()
+
+
+async def test_an_h2_client_at_the_edge_gets_the_close_frame_then_the_end_of_its_stream() -> None:
+    """RFC 8441 from the client too: the Close frame, then END_STREAM (then a NO_ERROR reset, since the
+    client's side had not ended: RFC 9113 8.1), never a reset instead of the frame."""
+    with trio.fail_after(30):
+        async with open_chain() as chain:
+            replica = await chain.start_replica("demo-0")
+            worker_server, _ = await chain.start_worker({"demo-0": replica}, sessions=WorkerSessionConfig())
+            await start_proxy_and_edge(chain)
+            async with RawH2Client.open(chain.edge.port) as client:
+                head = [
+                    (b":method", b"CONNECT"),
+                    (b":protocol", b"websocket"),
+                    (b":scheme", b"http"),
+                    (b":authority", client.authority),
+                    (b":path", b"/echo"),
+                    (b"sec-websocket-version", b"13"),
+                ]
+                sid = await client.start(head, end_stream=False)
+                response = await client.next_event(sid)
+                assert isinstance(response, h2.events.ResponseReceived)
+                assert dict(response.headers)[b":status"] == b"200"
+                ws = wsproto.connection.Connection(wsproto.connection.ConnectionType.CLIENT)
+                await client.send(sid, ws.send(wsproto.events.TextMessage("over h2")))
+                assert await drain_replica(worker_server.port, "demo-0") == {"ended": 0, "websockets": 1, "cut": 0}
+                frames: list[wsproto.events.Event] = []
+                while True:
+                    event = await client.next_event(sid)
+                    if isinstance(event, h2.events.DataReceived):
+                        ws.receive_data(event.data)
+                        frames += ws.events()
+                    else:
+                        break
+                assert isinstance(event, h2.events.StreamEnded)  # ended, not reset
+                *before, close = frames
+                assert isinstance(close, wsproto.events.CloseConnection)
+                assert (close.code, close.reason) == (1001, "replica drained")
+                assert [e.data for e in before if isinstance(e, wsproto.events.TextMessage)] in ([], ["over h2"])
             chain.cancel()
 
 
