@@ -440,11 +440,15 @@ async def _end_websockets_on_drain(server: HTTPServer, worker: Worker) -> None:
     A WebSocket does not end by itself within a drain's grace: at its end
     it would be cut (code 1006 at the client). Ended at the drain's start,
     its client can reconnect at once (to another worker, through the proxy).
+    A second look once the final GOAWAY went (``drain_goaway_delay``) ends
+    those a client opened in the race with the first one.
     """
     await server.wait_draining()
-    closed, cut = await worker.websockets.end(None, "worker draining")
-    if closed or cut:
-        log.info("%s draining: %d WebSockets closed, %d reset", worker.name, closed, cut)
+    for delay in (0.0, server.config.drain_goaway_delay):
+        await trio.sleep(delay)
+        closed, cut = await worker.websockets.end(None, "worker draining")
+        if closed or cut:
+            log.info("%s draining: %d WebSockets closed, %d reset", worker.name, closed, cut)
 
 
 async def _expire_sessions(tracker: SessionTracker) -> None:
