@@ -459,6 +459,6 @@ async def test_a_session_that_ends_within_drain_timeout_is_not_cut(caplog: pytes
             assert ended.status_code == 204
             # the replica goes once idle, long before its drain_timeout, and nobody was cut
             await wait_for(lambda: pid not in scaler.statistics().processes.values(), "stopped once idle")
-            assert worker.sessions is not None and worker.sessions.statistics().ended["drained"] == 0
+            assert worker.sessions is not None and worker.sessions.statistics().ended.get("drained", 0) == 0
             assert (worker.websockets.ended, worker.websockets.cut) == (0, 0)
             assert not [r for r in caplog.records if "after drain_timeout" in r.getMessage()]
