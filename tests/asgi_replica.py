@@ -16,12 +16,6 @@ protocol the request reached hypercorn with):
 - ``POST /ignore``: never reads the body, never answers (until the client goes);
 - ``GET /big-head?size=N``: 200 with a field ``x-big`` of N bytes;
 - anything else: 404, ``no page PATH\\n``.
-
-WebSockets (over an h1 Upgrade, or h2's extended CONNECT, RFC 8441):
-
-- ``/ws``: accepted; first ``hello from hypercorn-PORT``, then every message
-  comes back as it was (text or bytes), until the client closes;
-- any other path: refused (403).
 """
 
 from __future__ import annotations
@@ -43,9 +37,6 @@ async def app(
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
-        return
-    if scope["type"] == "websocket":
-        await websocket(scope, receive, send)
         return
     assert scope["type"] == "http"
     path = scope["path"]
@@ -104,23 +95,3 @@ async def app(
     else:
         await start(404)
         await body(f"no page {path}\n".encode())
-
-
-async def websocket(
-    scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
-) -> None:
-    if (await receive())["type"] != "websocket.connect":
-        return
-    if scope["path"] != "/ws":
-        await send({"type": "websocket.close", "code": 1008})  # before the accept: a 403
-        return
-    await send({"type": "websocket.accept"})
-    await send({"type": "websocket.send", "text": f"hello from hypercorn-{scope['server'][1]}"})
-    while True:
-        message = await receive()
-        if message["type"] != "websocket.receive":
-            return  # websocket.disconnect
-        if message.get("text") is not None:
-            await send({"type": "websocket.send", "text": message["text"]})
-        else:
-            await send({"type": "websocket.send", "bytes": message.get("bytes") or b""})

@@ -35,7 +35,6 @@ import wsproto.connection
 import wsproto.events
 from support import (
     HOST,
-    HYPERCORN,
     RawH2Client,
     child_process,
     connect_websocket,
@@ -349,16 +348,20 @@ async def test_the_worker_draining_ends_its_websockets_with_a_close_frame_not_a_
             chain.cancel()
 
 
+HYPERCORN_WS = [sys.executable, "-m", "hypercorn", "tests.asgi_ws_replica:app", "--bind", "127.0.0.1:0", "-k", "trio"]
+"""hypercorn serving ``tests/asgi_ws_replica.py`` (HTTP/1.1 and h2c on one port)."""
+
+
 # -- a replica that is not the project's: Hypercorn ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scheme", ["h2c", "http"])
 async def test_a_hypercorn_replicas_websocket_gets_the_close_frame(scheme: str) -> None:
-    """Hypercorn (an ASGI app with a WebSocket route, ``tests/asgi_replica.py``) in a process of its own,
+    """Hypercorn (an ASGI app with a WebSocket route, ``tests/asgi_ws_replica.py``) in a process of its own,
     reached over h2 (RFC 8441) or h1 (Upgrade)."""
     with trio.fail_after(30):
         async with (
-            child_process(HYPERCORN, r"Running on http://(\S+) \(CTRL", stderr=True) as (_, match),
+            child_process(HYPERCORN_WS, r"Running on http://(\S+) \(CTRL", stderr=True) as (_, match),
             open_chain() as chain,
         ):
             replica = replica_from_url(f"{scheme}://{match.group(1)}")
