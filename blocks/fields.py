@@ -92,7 +92,11 @@ SESSIONS_PATH = b"/.proxyblocks/sessions"
 """At the proxy, from a client: ``POST`` starts a session of a sessioned app,
 ``DELETE`` (with its session token) ends it. From the proxy's session broker
 to the worker, with :data:`PROBE_HEADER` and :data:`SESSION_HEADER`: open or
-end that session on the replica :data:`REPLICA_HEADER` names."""
+end that session on the replica :data:`REPLICA_HEADER` names. From the
+autoscaler to the worker, ``DELETE`` with :data:`PROBE_HEADER` and
+:data:`REPLICA_HEADER` but no :data:`SESSION_HEADER`: that replica was
+drained past its time, end every session it hosts (``drained``) and close
+every WebSocket to it with a Close frame."""
 
 __all__ = [
     "ENDED_HEADER",

@@ -100,7 +100,7 @@ async def test_spliced_504s_are_delivered_and_do_not_wedge_the_chain(nursery: tr
 async def test_uploads_through_the_splice_path_are_never_cut_short(
     nursery: trio.Nursery, tmp_path: Path, version: str
 ) -> None:
-    # Guards: `and not self.pending` in _Pipe.feed (--http1.1: the edge's handler path ends an upload with an
+    # Guards: `and not self.pending` in Pipe.feed (--http1.1: the edge's handler path ends an upload with an
     # empty END_STREAM DATA frame, which must not end the proxy's upstream stream while data still waits for
     # window). curl's h2 uploads end on their last DATA frame: that case keeps the all-splice path honest.
     upload = tmp_path / "upload.bin"

@@ -686,6 +686,31 @@ def test_terminate_ends_a_session_at_once() -> None:
     assert (stats.ended, stats.active, stats.unknown) == ({"idle": 0, "terminated": 1}, {"r0": 1}, 1)
 
 
+def test_drain_ends_every_session_of_one_replica_and_remembers_why() -> None:
+    t = tracker(r0=3, r1=3)
+    for session, replica in [("a", "r0"), ("b", "r1"), ("c", "r0")]:
+        t.open(session, replica, 0.0)
+    assert t.begin("a", "r0", 1.0)  # in flight (a WebSocket): it ends all the same; its end is ignored
+    revision = t.revision
+    assert sorted(t.drain("r0")) == ["a", "c"]
+    assert (t.revision, t.active("r0"), t.active("r1")) == (revision + 1, 0, 1)
+    assert (t.why("a"), t.why("c"), t.why("b"), t.why("nope")) == ("drained", "drained", None, None)
+    assert not t.begin("c", "r0", 2.0)
+    t.end("a", 3.0)
+    assert t.drain("r0") == [] and t.revision == revision + 1  # nothing left: no change
+    assert t.statistics().ended == {"idle": 0, "terminated": 0, "drained": 2}
+    assert t.open("a", "r0", 4.0) and t.why("a") is None  # (a start retried with a drained id)
+
+
+def test_the_drained_ids_kept_for_why_are_bounded_by_max_sessions() -> None:
+    t = tracker(max_sessions=3, r0=0)
+    for n in range(4):
+        for session in (f"s{n}a", f"s{n}b"):
+            assert t.open(session, "r0", float(n))
+        assert len(t.drain("r0")) == 2
+    assert [t.why(f"s{n}{x}") for n in range(4) for x in "ab"] == [None] * 5 + ["drained"] * 3  # the oldest go
+
+
 def test_expire_after_idle_timeout_and_not_before() -> None:
     t = tracker(idle=10.0, r0=3)
     t.open("a", "r0", 0.0)
@@ -841,6 +866,18 @@ class TrackerMachine(RuleBasedStateMachine):
     def terminate(self, session: str) -> None:
         state = self.model.pop(session, None)
         assert self.tracker.terminate(session) == (state.replica if state is not None else None)
+
+    @rule(replica=st.sampled_from(REPLICAS))
+    def drain(self, replica: str) -> None:
+        due = {s for s, m in self.model.items() if m.replica == replica}
+        revision = self.tracker.revision
+        ended = self.tracker.drain(replica)
+        assert len(ended) == len(due) and set(ended) == due
+        assert self.tracker.revision == revision + bool(due)
+        for session in ended:
+            del self.model[session]
+            assert self.tracker.why(session) == "drained"
+            assert not self.tracker.begin(session, replica, self.now)  # a 410 that says why
 
     @rule(step=st.sampled_from([0.0, 0.25, 1.0, 2.0]))
     def tick(self, step: float) -> None:

@@ -79,7 +79,10 @@ class DriverConfig:
     - ``health_interval``: how often a starting replica is asked.
     - ``settle``: a draining replica is stopped only on a poll sent at least
       this long after its draining write reached the store.
-    - ``drain_timeout``: the most a draining replica is given to finish.
+    - ``drain_timeout``: the maximum drain time: the most a draining replica
+      is given for its requests to finish and its sessions to end. Past it,
+      its worker ends what is left (its sessions, reason ``drained``; a
+      Close frame, 1001, to each of its WebSockets), then it is stopped.
     - ``stop_timeout``: SIGTERM, then SIGKILL after this.
     - ``cold_start_timeout``: how long a request for an app with no replica
       waits for its first one (see :meth:`Autoscaler.wait_routed`).

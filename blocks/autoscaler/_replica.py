@@ -13,7 +13,10 @@ A replica's life, and what every proxy sees of it through the store:
 3. ``draining``: its record is put again with ``state: draining`` (or, if
    the store refuses that, deleted), and it gets ``drain_timeout`` to
    finish: it is stopped once the prober reports nothing in flight on it
-   at a poll sent at least ``settle`` after the write, or when the time is up.
+   (and no session) at a poll sent at least ``settle`` after the write.
+   When the time is up first, its worker is asked to end what it still has
+   (``DELETE /.proxyblocks/sessions`` naming it): its sessions end, reason
+   ``drained``, and its WebSockets get a Close frame; then it is stopped.
 4. the end, however it comes (stopped, died, the driver leaving, a
    failure): first, without awaiting anything, the policy hears ``gone``
    (a dead replica is never counted as ready while its record is deleted);
@@ -35,6 +38,7 @@ the driver's pending deletes; no store failure escapes this task.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -48,8 +52,9 @@ from blocks.autoscaler._core import Phase
 from blocks.autoscaler._process import ReplicaProcess
 from blocks.autoscaler._store import put
 from blocks.errors import SourceError
+from blocks.fields import PROBE_HEADER, REPLICA_HEADER, SESSIONS_PATH
 from blocks.http import Request
-from blocks.routing import Address, encode_replica, route_key_for_replica
+from blocks.routing import Address, encode_replica, format_address, route_key_for_replica
 
 if TYPE_CHECKING:
     from blocks.autoscaler._driver import Autoscaler
@@ -187,7 +192,8 @@ async def _until_healthy(scaler: Autoscaler, replica: Replica) -> bool:
 
 
 async def _until_drained(scaler: Autoscaler, replica: Replica) -> None:
-    """Wait until a poll sent ``settle`` after the draining write sees nothing in flight (or the timeout)."""
+    """Wait until a poll sent ``settle`` after the draining write sees nothing in flight and no session;
+    at ``drain_timeout``, have the worker end what is left (:func:`_end_what_is_left`)."""
     written = trio.current_time()
     config = scaler.config
     with trio.move_on_after(config.drain_timeout):
@@ -195,3 +201,57 @@ async def _until_drained(scaler: Autoscaler, replica: Replica) -> None:
             await scaler._wait_round()
             if scaler._round_sent >= written + config.settle and scaler._idle(replica.name):
                 return
+    await _end_what_is_left(scaler, replica)
+
+
+END_TIMEOUT = 5.0
+"""Seconds a drain past its time waits for the worker to end the replica's sessions and WebSockets (the
+worker gives each WebSocket :data:`blocks.hops.END_TIMEOUT` for its Close frame, then resets it)."""
+
+
+async def _end_what_is_left(scaler: Autoscaler, replica: Replica) -> None:
+    """``drain_timeout`` is up: ask the worker to end the replica's sessions (``drained``) and WebSockets.
+
+    Its worker ends every session the replica hosts (their later requests
+    get a 410 ``drained``) and closes every WebSocket to it with a Close
+    frame (1001), then answers; one log line says how many. A worker that
+    cannot be asked (or keeps no sessions) costs at most
+    :data:`END_TIMEOUT`: the replica is stopped all the same, as before.
+    """
+    app, name = replica.app, replica.name
+    worker = scaler.worker
+    request = Request(b"DELETE", b"http", format_address(worker).encode(), SESSIONS_PATH)
+    fields = [(PROBE_HEADER, b"1"), (REPLICA_HEADER, name.encode())]
+    failure = "no answer"
+    with trio.move_on_after(END_TIMEOUT):
+        try:
+            response = await scaler._upstreams.request(worker, request, fields)
+            try:
+                body = await response.body.read_all(64 * 1024)
+            finally:
+                await response.body.aclose()
+            if response.status != 200:
+                raise ValueError(f"status {response.status}")
+            answer = json.loads(body)
+            ended, closed, cut = int(answer["ended"]), int(answer["websockets"]), int(answer["cut"])
+        except Exception as exc:  # (Cancelled is not an Exception: the timeout is below)
+            failure = f"{type(exc).__name__}: {exc}"
+        else:
+            log.info(
+                "%s: %s still busy after drain_timeout (%gs): its worker ended %d sessions "
+                "and closed %d WebSockets (%d reset)",
+                app,
+                name,
+                scaler.config.drain_timeout,
+                ended,
+                closed,
+                cut,
+            )
+            return
+    log.warning(
+        "%s: %s still busy after drain_timeout (%gs); its worker did not end its sessions (%s)",
+        app,
+        name,
+        scaler.config.drain_timeout,
+        failure,
+    )

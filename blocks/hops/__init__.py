@@ -26,6 +26,7 @@ Each hop appends its entries to the response's ``server-timing`` header
 
 from blocks.fields import INTERNAL_PREFIX
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Answer, Exchange, Feature, Forward, Hop
+from blocks.hops._websockets import WebSockets
 from blocks.hops.edge import Edge, EdgeConfig, ToProxy, forwarded_headers, serve_edge
 from blocks.hops.proxy import (
     AppLookup,
@@ -70,6 +71,7 @@ __all__ = [
     "SessionCount",
     "SessionPin",
     "ToProxy",
+    "WebSockets",
     "Worker",
     "WorkerStatistics",
     "forwarded_headers",

@@ -83,7 +83,7 @@ from blocks.timing import Timing, add_server_timing
 from blocks.transport import Address
 from blocks.transport.listener import HTTPServer, ListenerConfig
 from blocks.transport.multiplexer import Upstreams
-from blocks.transport.streams import H2Driver, H2Stream, TappedBody, Tee, tap_splice
+from blocks.transport.streams import H2Driver, H2Stream, TappedBody, Tee, tap_response, tap_splice
 
 if TYPE_CHECKING:
     from blocks.routing import Replica, RetryBudget
@@ -682,7 +682,7 @@ class Hop:
             response.closed()
             raise
         if tee is not None:
-            response.body = TappedBody(response.body, tee.response)
+            response.body = tap_response(response.body, tee)
         return response
 
 

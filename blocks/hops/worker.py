@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -22,8 +23,9 @@ from blocks.fields import (
     TARGET_HEADER,
 )
 from blocks.hops._hop import INTERNAL_LISTENER, Exchange, Feature, Forward, Hop, hop_listener
+from blocks.hops._websockets import WebSockets
 from blocks.hops.proxy import InFlight
-from blocks.http import Headers, Request, Response, text_response
+from blocks.http import Headers, Request, Response, json_response, text_response
 from blocks.prober import ReplicaLoad, load_response
 from blocks.routing import parse_address
 from blocks.sessions import SessionLost, SessionTracker, WorkerSessionConfig, session_control_response
@@ -63,8 +65,11 @@ class Probes(Feature):
 
     ``GET /.proxyblocks/load``: the replicas' load, for the prober; ``POST``
     / ``DELETE /.proxyblocks/sessions``: open or end a session, when the
-    worker keeps sessions. Without the field, a request for those paths
-    reaches its app like any other. Other requests pay two path comparisons.
+    worker keeps sessions; ``DELETE /.proxyblocks/sessions`` naming a
+    replica and no session: the autoscaler ends that replica's sessions and
+    WebSockets (:meth:`Worker.drain_replica`). Without the field, a request
+    for those paths reaches its app like any other. Other requests pay two
+    path comparisons.
     """
 
     def __init__(self, worker: Worker) -> None:
@@ -82,9 +87,12 @@ class Probes(Feature):
 
     async def _session(self, exchange: Exchange) -> Response:
         worker = self.worker
+        request = exchange.request
+        if request.method == b"DELETE" and request.header(SESSION_HEADER) is None:
+            return await worker.drain_replica(request)
         if worker.sessions is not None:
-            worker.take_on(exchange.request)
-        return session_control_response(worker.sessions, exchange.request, exchange.hop.clock())
+            worker.take_on(request)
+        return session_control_response(worker.sessions, request, exchange.hop.clock())
 
 
 class LocalRoute(Feature):
@@ -183,9 +191,11 @@ class SessionCount(Feature):
         session = exchange.session
         if session is not None:
             replica = exchange.replica or ""
-            if not self.tracker.begin(session, replica, exchange.hop.clock()):
+            tracker = self.tracker
+            if not tracker.begin(session, replica, exchange.hop.clock()):
                 raise SessionLost(
-                    f"this worker hosts no session {session!r} on replica {replica!r}", reason="not-hosted"
+                    f"this worker hosts no session {session!r} on replica {replica!r}",
+                    reason=tracker.why(session) or "not-hosted",
                 )
 
     def closed(self, exchange: Exchange) -> None:
@@ -199,7 +209,9 @@ class Worker(Hop):
     Its stack: :class:`Probes` (the proxy's load and session requests), the
     caller's ``features``, :class:`LocalRoute`, :class:`SessionCount` (with
     ``sessions``), :class:`~blocks.hops.proxy.InFlight` (``in_flight`` and
-    ``served`` per replica).
+    ``served`` per replica), :class:`~blocks.hops.WebSockets` (the
+    WebSockets it relays, ``websockets``: a drain ends them with a Close
+    frame).
 
     With ``sessions`` (a :class:`~blocks.sessions.WorkerSessionConfig`), a
     request the proxy sent for a session (its id in
@@ -244,7 +256,8 @@ class Worker(Hop):
         stack: list[Feature] = [Probes(self), *features, self._route]
         if self.sessions is not None:
             stack.append(SessionCount(self.sessions))
-        stack.append(accounting)
+        self.websockets = WebSockets()
+        stack += [accounting, self.websockets]
         super().__init__(name, upstreams, stack, clock=clock)
 
     def statistics(self) -> WorkerStatistics:
@@ -277,6 +290,35 @@ class Worker(Hop):
             tracker.add(name)
         if limit.isdigit():
             tracker.hold(name, int(limit))
+
+    async def drain_replica(self, request: Request) -> Response:
+        """The answer to the autoscaler's ``DELETE /.proxyblocks/sessions`` naming a replica and no session.
+
+        The replica is going (drained past its ``drain_timeout``): every
+        session it hosts ends now (reason ``drained``: their later requests
+        get a 410 that says so), and every WebSocket to it, of a session or
+        not, is ended with a Close frame (1001, ``session ended: drained``,
+        or ``replica drained``), each given :data:`~blocks.hops.END_TIMEOUT`
+        to send it before it is reset. Answers ``200 {"ended": sessions,
+        "websockets": closed, "cut": reset}`` once they are all over; a
+        ``400`` without ``x-proxyblocks-replica``.
+        """
+        key = request.header(REPLICA_HEADER)
+        if not key:
+            return json_response(400, b'{"error":"name the replica: x-proxyblocks-replica"}')
+        name = key.decode("ascii", "replace")
+        ended = self.sessions.drain(name) if self.sessions is not None else []
+        closed, cut = await self.websockets.end(name, "replica drained", session_reason="session ended: drained")
+        log.info(
+            "%s: replica %s drained: %d sessions ended, %d WebSockets closed, %d reset",
+            self.name,
+            name,
+            len(ended),
+            closed,
+            cut,
+        )
+        answer = {"ended": len(ended), "websockets": closed, "cut": cut}
+        return json_response(200, json.dumps(answer, separators=(",", ":")).encode())
 
     def load(self) -> dict[str, ReplicaLoad]:
         """Per replica: requests in flight now, its configured capacity, and its sessions when it keeps them.
@@ -376,6 +418,7 @@ async def serve_worker(
         )
         server = await nursery.start(serve)
         worker.server = server
+        nursery.start_soon(_end_websockets_on_drain, server, worker)
         task_status.started((server, worker))
 
 
@@ -395,6 +438,23 @@ async def _reachable(upstreams: Upstreams, address: Address) -> bool:
         await stream.aclose()
         return True
     return False
+
+
+async def _end_websockets_on_drain(server: HTTPServer, worker: Worker) -> None:
+    """Once the worker drains, end its WebSockets with a Close frame (1001, ``worker draining``).
+
+    A WebSocket does not end by itself within a drain's grace: at its end
+    it would be cut (code 1006 at the client). Ended at the drain's start,
+    its client can reconnect at once (to another worker, through the proxy).
+    A second look once the final GOAWAY went (``drain_goaway_delay``) ends
+    those a client opened in the race with the first one.
+    """
+    await server.wait_draining()
+    for delay in (0.0, server.config.drain_goaway_delay):
+        await trio.sleep(delay)
+        closed, cut = await worker.websockets.end(None, "worker draining")
+        if closed or cut:
+            log.info("%s draining: %d WebSockets closed, %d reset", worker.name, closed, cut)
 
 
 async def _expire_sessions(tracker: SessionTracker) -> None:

@@ -2,8 +2,11 @@
 
 The worker knows every session it hosts: opened by the proxy's start,
 touched by each request carrying the session's id, ended by an explicit
-terminate or after ``idle_timeout`` with no request in flight (a WebSocket
-in flight keeps its session alive however quiet it is). Memory is bounded
+terminate, after ``idle_timeout`` with no request in flight (a WebSocket
+in flight keeps its session alive however quiet it is), or all of a
+replica's at once when the replica is drained past its time
+(:meth:`SessionTracker.drain`; the ids are kept, at most ``max_sessions``,
+so that a later request of one hears why). Memory is bounded
 by the replicas' capacities and ``max_sessions``. Sessions sit in an ordered
 dict by last activity, so expiry looks at the oldest only: O(1) per session
 touched or ended.
@@ -59,7 +62,7 @@ class _Session:
 @attrs.frozen
 class TrackerStatistics:
     """``active``: sessions per replica now; ``capacity``: per replica (0: no
-    limit); ``opened``; ``ended``: by reason (``idle``, ``terminated``);
+    limit); ``opened``; ``ended``: by reason (``idle``, ``terminated``, ``drained``);
     ``refused``: starts refused because the replica (or worker) was full;
     ``unknown``: requests naming a session the worker does not host (410s)."""
 
@@ -95,6 +98,7 @@ class SessionTracker:
         self.revision = 0
         """Bumped by every change of the sessions hosted: what orders the worker's words to a proxy."""
         self._ended = {"idle": 0, "terminated": 0}
+        self._why: collections.OrderedDict[str, str] = collections.OrderedDict()  # drained sessions -> why, bounded
 
     def __repr__(self) -> str:
         return f"<SessionTracker sessions={len(self._sessions)} replicas={len(self.capacities)}>"
@@ -149,6 +153,8 @@ class SessionTracker:
         if (capacity and self._active[replica] >= capacity) or len(self._sessions) >= self.config.max_sessions:
             self._refused += 1
             return False
+        if self._why:
+            self._why.pop(session, None)  # (ids are random: only a retried start of a drained one)
         self._sessions[session] = _Session(replica, now)
         self._active[replica] += 1
         self._opened += 1
@@ -207,6 +213,25 @@ class SessionTracker:
         self._ended[reason] = self._ended.get(reason, 0) + len(ended)
         self.revision += 1
         return ended
+
+    def drain(self, replica: str) -> list[str]:
+        """:meth:`end_replica` for a replica drained past its time (reason ``drained``), remembering why.
+
+        The worker ends their WebSockets itself; a later request of one
+        gets a 410 whose reason, :meth:`why`, is ``drained``. At most
+        ``max_sessions`` such ids are kept, the oldest forgotten first.
+        """
+        ended = self.end_replica(replica, "drained")
+        why = self._why
+        for session in ended:
+            why[session] = "drained"
+        while len(why) > self.config.max_sessions:
+            why.popitem(last=False)
+        return ended
+
+    def why(self, session: str) -> str | None:
+        """Why ``session``, which this worker no longer hosts, ended, if it knows: ``drained``; else None."""
+        return self._why.get(session)
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """End the sessions idle for ``idle_timeout``: their ``(session, replica)``."""

@@ -14,7 +14,7 @@ Invariants:
 - Flow control is end to end. Data received on one side is acknowledged to
   its sender only once it has been handed to the other side's state
   machine; what the other side's window cannot take yet waits in
-  ``_Pipe.pending`` and goes when that window opens. So each splice holds at
+  ``Pipe.pending`` and goes when that window opens. So each splice holds at
   most one stream window of data per direction, and a slow reader throttles
   only its own sender.
 - Every byte received is acknowledged exactly once (see :mod:`blocks.transport._h2`):
@@ -35,11 +35,15 @@ Invariants:
   So is any end of the upstream stream once its END_STREAM came (another
   reset, the connection lost), as on the task path, where a response body
   that ended is delivered whatever follows.
+- The hop may end an exchange cleanly itself (:meth:`Splice.end_response`:
+  a WebSocket's Close frame): its own bytes go last in the response pipe,
+  acknowledged to nobody, with END_STREAM, and the upstream stream is
+  cancelled, which the splice then treats as the early answer above.
+  What the upstream sent past the end is acknowledged and dropped.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -48,7 +52,8 @@ from blocks.errors import BlocksError
 from blocks.fields import ERROR_HEADER
 from blocks.http import BytesBody, Headers, Response, error_response
 from blocks.transport._codec import ErrorCodes, ProtocolError
-from blocks.transport._h2 import BACKLOG_HIGH, acknowledge
+from blocks.transport._h2 import acknowledge
+from blocks.transport._pipe import EndingPipe, Pipe, Until
 
 if TYPE_CHECKING:
     from blocks.transport._h2 import H2Driver, H2Stream
@@ -64,9 +69,6 @@ HeadFilter = Callable[[int, Headers], "Headers | None"]
 hop took the exchange over (it sent the request again elsewhere), drop this head. On the
 hop's own error answer, a ``:status`` field first in what it returns changes that
 answer's status (the hop re-classified its error)."""
-
-Tap = Callable[[bytes, bool, "Headers | None"], None]
-"""Watches a pipe's chunks go by: ``tap(data, end, trailers)`` (see :mod:`blocks.transport._tap`)."""
 
 
 class Sink(Protocol):
@@ -94,137 +96,6 @@ class Sink(Protocol):
     def window(self, st: H2Stream) -> None: ...
 
     def failed(self, driver: H2Driver, error: BaseException) -> None: ...
-
-
-class _Pipe:
-    """One direction of a splice: DATA and the end of stream, ``src`` -> ``dst``."""
-
-    __slots__ = ("done", "dst", "dst_st", "ended", "held", "pending", "src", "src_st", "tap", "trailers")
-
-    def __init__(self, src: H2Driver, src_st: H2Stream, dst: H2Driver, dst_st: H2Stream) -> None:
-        self.src = src
-        self.src_st = src_st
-        self.dst = dst
-        self.dst_st = dst_st
-        self.pending: collections.deque[bytes] = collections.deque()
-        self.held = 0  # bytes received after the pipe was cut, kept unacknowledged until the splice closes
-        self.ended = False
-        self.done = False
-        self.trailers: Headers | None = None
-        self.tap: Tap | None = None  # sees each chunk as it is relayed (blocks.transport._tap); never blocks
-
-    def feed(self, data: bytes, size: int, end: bool) -> None:
-        # The bytes are the pipe's (relayed, or pending) before a tap, which may
-        # be a user's and raise, sees them: a failure then leaves nothing unowned.
-        try:
-            padding = size - len(data)
-            if padding:
-                acknowledge(self.src.h2, padding, self.src_st.id)
-            if end:
-                self.ended = True
-            if data:
-                if self.pending:
-                    self.pending.append(data)
-                    return
-                if not self._push(data):
-                    return
-            if self.ended and not self.done and not self.pending:
-                self._finish()
-        finally:
-            if self.tap is not None:
-                self.tap(data, end, None)
-
-    def _push(self, data: bytes) -> bool:
-        """Send as much of ``data`` as the windows allow; keep the rest. True if all went.
-
-        If h2 refuses (the destination stream is gone), what was not sent
-        goes back to ``pending`` before the error goes on: the splice's close
-        gives it back (every byte received is acknowledged once).
-        """
-        dst = self.dst.h2
-        sid = self.dst_st.id
-        src = self.src.h2
-        src_sid = self.src_st.id
-        progressed = False
-        try:
-            while data:
-                if self.dst.backlog + self.dst.pushed >= BACKLOG_HIGH:
-                    # Counting what this batch already gave h2: a writer that drains
-                    # wakes every waiting splice at once, and together they must not
-                    # overshoot.
-                    self.dst.backlogged = True  # its writer wakes the windows when it drains
-                    room = 0
-                else:
-                    room = min(dst.local_flow_control_window(sid), dst.max_outbound_frame_size)
-                if room <= 0:
-                    self.pending.appendleft(data)
-                    if progressed or self.dst_st.stalled_since is None:
-                        self.dst.stalled(self.dst_st)  # stalled since the last progress
-                    return False
-                if len(data) <= room:
-                    # The common case: the whole chunk, with END_STREAM when it is the last.
-                    last = self.ended and not self.pending and self.trailers is None
-                    dst.send_data(sid, data, end_stream=last)
-                    self.dst.pushed += len(data)
-                    self.dst_st.sent += len(data)
-                    acknowledge(src, len(data), src_sid)
-                    if last:
-                        self.done = True
-                        self.dst.local_end(self.dst_st)
-                    return True
-                dst.send_data(sid, data[:room])
-                self.dst.pushed += room
-                self.dst_st.sent += room
-                acknowledge(src, room, src_sid)
-                data = data[room:]
-                progressed = True
-        except ProtocolError:
-            self.pending.appendleft(data)
-            raise
-        return True
-
-    def flush(self) -> None:
-        """The destination's window may have opened."""
-        pending = self.pending
-        moved = False
-        while pending:
-            if not self._push(pending.popleft()):
-                if moved:
-                    self.dst.stalled(self.dst_st)
-                return
-            moved = True
-        self.dst_st.stalled_since = None
-        if self.ended and not self.done:
-            self._finish()
-
-    def end(self, trailers: Headers | None) -> None:
-        if self.tap is not None:
-            self.tap(b"", True, trailers)
-        self.ended = True
-        if trailers:
-            self.trailers = trailers
-        if not self.pending and not self.done:
-            self._finish()
-
-    def release(self) -> None:
-        """Give back what is pending or held: it will never be relayed."""
-        pending = self.pending
-        if pending or self.held:
-            size = sum(map(len, pending)) + self.held
-            pending.clear()
-            self.held = 0
-            src = self.src
-            if not src.closed:
-                acknowledge(src.h2, size, self.src_st.id)
-                src.send_soon()
-
-    def _finish(self) -> None:
-        self.done = True
-        self.dst.local_end(self.dst_st)
-        if self.trailers:
-            self.dst.h2.send_headers(self.dst_st.id, self.trailers, end_stream=True)
-        else:
-            self.dst.h2.end_stream(self.dst_st.id)
 
 
 class Splice:
@@ -257,8 +128,8 @@ class Splice:
         self.down = down
         self.down_st = down_st
         self.up = up
-        self.request = _Pipe(down, down_st, up, up_st)
-        self.response = _Pipe(up, up_st, down, down_st)
+        self.request = Pipe(down, down_st, up, up_st)
+        self.response = Pipe(up, up_st, down, down_st)
         self.head_filter = head_filter
         self.on_close = on_close
         self.head_sent = False
@@ -380,6 +251,33 @@ class Splice:
         self.up.reset(self.response.src_st, _CANCEL)
         self._answer(status, BlocksError(status=status).error_reason)
         self._close()
+
+    def end_response(self, tail: bytes, until: Until | None = None) -> bool:
+        """End the exchange from our side, cleanly: ``tail`` (bytes of the hop's own) ends the response.
+
+        For a tunnel the hop must close itself (a WebSocket's Close frame,
+        :mod:`blocks.transport._wsend`). With ``until``, the upstream's bytes
+        go on until the point it finds; without, the response ends after
+        what was received so far. Then ``tail`` and END_STREAM go
+        downstream (as the window allows), the upstream stream is
+        cancelled, and the downstream stream, if its request had not ended,
+        is reset with NO_ERROR after the END_STREAM (RFC 9113 8.1), as for
+        an upstream that answered early. False, having done nothing, before
+        the response head went downstream (nothing to end cleanly yet); True
+        too if the response had ended or the splice closed already.
+        """
+        if self.closed or self.response.ended or type(self.response) is EndingPipe:
+            return True
+        if not self.head_sent:
+            return False
+        pipe = self.response = EndingPipe(self.response, tail, until)
+        try:
+            if until is None:
+                pipe.stop()
+        except ProtocolError:
+            self._abort()
+        self.down.kick()  # (outside any reader's batch: a task asked)
+        return True
 
     def malformed(self, headers: Headers) -> Response | None:
         """The request is malformed: cancel the upstream stream; the 400 to send downstream, if any.

@@ -6,10 +6,13 @@ it the request body as it goes upstream, the response head and body as
 they come back, and tells it once when the exchange is over:
 
 - on the splice fast path, :func:`tap_splice` hangs ``tee.request`` and
-  ``tee.response`` on the splice's two pipes (``_Pipe.tap``), which call
+  ``tee.response`` on the splice's two pipes (``Pipe.tap``), which call
   them with each chunk they relay;
 - on the task path, :class:`TappedBody` wraps the request and response
-  bodies and calls the same methods as the chunks are read.
+  bodies and calls the same methods as the chunks are read
+  (:func:`tap_response` for the response: a tee that ends the exchange
+  itself, a WebSocket's :class:`~blocks.transport._wsend.WebSocketEnd`,
+  takes the response body over instead).
 
 Rules for a tee: every method is synchronous, never blocks, never raises,
 and keeps no reference to a chunk it does not own (the chunks are the
@@ -23,12 +26,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from blocks.http import Body, Headers
-from blocks.transport._splice import Tap
+from blocks.transport._pipe import Tap
 
 if TYPE_CHECKING:
     from blocks.transport._h2 import H2Stream
 
-__all__ = ["Tap", "TappedBody", "Tee", "tap_splice"]
+__all__ = ["Tap", "TappedBody", "Tee", "tap_response", "tap_splice"]
 
 
 class Tee(Protocol):
@@ -60,6 +63,23 @@ def tap_splice(down_st: H2Stream, tee: Tee, request_ended: bool) -> None:
     else:
         real.request.tap = tee.request
     real.response.tap = tee.response
+
+
+class BodyTaker(Protocol):
+    """A tee that reads the task path's response body itself (to end it its own way): :meth:`take` gives
+    the body to send in its place."""
+
+    def take(self, body: Body) -> Body: ...
+
+
+def tap_response(body: Body, tee: Tee) -> Body:
+    """The task path's response ``body`` as ``tee`` watches it: a :class:`TappedBody`, or, for a tee
+    with a ``take`` method (:class:`BodyTaker`), the body it gives."""
+    take = getattr(type(tee), "take", None)
+    if take is not None:
+        taken: Body = take(tee, body)
+        return taken
+    return TappedBody(body, tee.response)
 
 
 class TappedBody(Body):

@@ -172,6 +172,7 @@ class HTTPServer:
     _accept_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _conn_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     _idle: trio.Event = attrs.field(factory=trio.Event)
+    _drain_begun: trio.Event = attrs.field(factory=trio.Event)
     _accept_done: bool = False
 
     @property
@@ -197,10 +198,15 @@ class HTTPServer:
         if self.draining:
             return
         self.draining = True
+        self._drain_begun.set()
         self._accept_scope.cancel()
         for conn in list(self._connections):
             conn.drain()
         self._check_idle()
+
+    async def wait_draining(self) -> None:
+        """Return once a drain has begun (:meth:`drain`), at once if it had."""
+        await self._drain_begun.wait()
 
     async def aclose(self, grace: float = 10.0) -> None:
         """Drain, wait up to ``grace`` seconds for requests in flight, then cancel the rest."""

@@ -10,7 +10,9 @@
   splice's rewrite of the response head), :class:`Sink` (what an upstream
   stream's frames are relayed into);
 - watching an exchange go by: :class:`Tee`, :class:`TappedBody`,
-  :func:`tap_splice`;
+  :func:`tap_splice`, :func:`tap_response`;
+- ending a relayed WebSocket with a Close frame: :class:`WebSocketEnd`,
+  and its frame boundaries, :class:`FrameTracker`, :func:`close_frame`;
 - an HTTP/1.1 stream (:class:`H1Stream`) and the WebSocket upgrade helpers
   (:data:`KEY_FIELDS`, :data:`WEBSOCKET_VERSION`, :func:`new_key`).
 
@@ -21,8 +23,10 @@ from blocks.transport._codec import CODECS, Codec, CodecSettings, CodecUnavailab
 from blocks.transport._h1 import H1Stream
 from blocks.transport._h2 import H2ConnectionStatistics, H2Driver, H2Stream, Relay, acknowledge
 from blocks.transport._splice import HeadFilter, Sink
-from blocks.transport._tap import TappedBody, Tee, tap_splice
+from blocks.transport._tap import TappedBody, Tee, tap_response, tap_splice
 from blocks.transport._upgrade import KEY_FIELDS, WEBSOCKET_VERSION, new_key
+from blocks.transport._wsend import WebSocketEnd
+from blocks.transport._wsframes import FrameTracker, close_frame
 
 __all__ = [
     "CODECS",
@@ -32,6 +36,7 @@ __all__ = [
     "CodecSettings",
     "CodecUnavailable",
     "EventKind",
+    "FrameTracker",
     "H1Stream",
     "H2ConnectionStatistics",
     "H2Driver",
@@ -41,9 +46,12 @@ __all__ = [
     "Sink",
     "TappedBody",
     "Tee",
+    "WebSocketEnd",
     "acknowledge",
+    "close_frame",
     "codec_in_use",
     "new_key",
+    "tap_response",
     "tap_splice",
     "use_codec",
 ]
