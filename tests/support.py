@@ -788,3 +788,13 @@ async def held_chain(nursery: trio.Nursery, release: trio.Event, *, metered: boo
 
     chain: Chain = await nursery.start(serve_chain, build)
     return chain
+
+
+def start_gets(nursery: trio.Nursery, client: httpx.AsyncClient, n: int, into: list[httpx.Response]) -> None:
+    """``n`` concurrent ``GET /`` through ``client`` in ``nursery``, each response appended to ``into``."""
+
+    async def get() -> None:
+        into.append(await client.get("/"))
+
+    for _ in range(n):
+        nursery.start_soon(get)
