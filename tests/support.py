@@ -798,3 +798,14 @@ def start_gets(nursery: trio.Nursery, client: httpx.AsyncClient, n: int, into: l
 
     for _ in range(n):
         nursery.start_soon(get)
+
+
+def gated(path: Path) -> str:
+    """An autoscaler's command for the demo replica, started only once ``path`` exists (a test holds a
+    cold start for as long as it needs)."""
+    return (
+        f'{sys.executable} -c "import pathlib, runpy, sys, time\n'
+        f"while not pathlib.Path('{path}').exists(): time.sleep(0.02)\n"
+        f"sys.argv = ['replica', '--port', '{{port}}', '--name', '{{name}}']\n"
+        f"runpy.run_module('blocks.testing.replica', run_name='__main__')\""
+    )

@@ -52,7 +52,7 @@ from blocks.autoscaler import (
 )
 from blocks.errors import SourceUnavailable
 from blocks.store import route_key_for_replica
-from tests.support import RawFrames, start_gets
+from tests.support import RawFrames, gated, start_gets
 
 APP = "demo"
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,16 +65,6 @@ SLOW = (  # the demo replica, listening only after a second
 FAST = DriverConfig(interval=0.1, health_interval=0.05, settle=0.2, drain_timeout=20, stop_timeout=5)
 NOWHERE = ("127.0.0.1", 1)  # a worker nobody answers at: the prober's polls fail, the replicas run anyway
 LONE = attrs.evolve(FAST, drain_timeout=1, stop_timeout=2)  # (with NOWHERE, a drain lasts its whole timeout)
-
-
-def gated(path: Path) -> str:
-    """The demo replica, started only once ``path`` exists (a test holds a cold start for as long as it needs)."""
-    return (
-        f'{sys.executable} -c "import pathlib, runpy, sys, time\n'
-        f"while not pathlib.Path('{path}').exists(): time.sleep(0.02)\n"
-        f"sys.argv = ['replica', '--port', '{{port}}', '--name', '{{name}}']\n"
-        f"runpy.run_module('blocks.testing.replica', run_name='__main__')\""
-    )
 
 
 async def until(predicate: Callable[[], object]) -> None:
