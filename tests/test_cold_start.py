@@ -19,11 +19,12 @@ import pytest
 import trio
 
 from blocks import Chain, ColdStartConfig, ProxyConfig, RouteTable, open_chain, serve_proxy
+from blocks.fields import HEALTH_PATH, PROBE_HEADER
 from blocks.hops import ReplicaWait
 from blocks.routing import Demand
 from blocks.sources.demand import read_demand
 from blocks.store import DEMAND_PREFIX, encode_domain, encode_replica, route_key_for_domain, route_key_for_replica
-from tests.support import RawFrames, start_gets
+from tests.support import RawFrames, h2_client, start_gets
 
 APP = "demo"
 
@@ -126,6 +127,18 @@ async def test_a_client_that_gives_up_stops_waiting_and_counting() -> None:
                 await raw.send(hyperframe.frame.RstStreamFrame(1, error_code=8))  # CANCEL
                 await until(lambda: wait.waiting(APP) == 0)
             assert wait.statistics().served == 0
+
+
+async def test_what_the_proxy_answers_itself_is_not_held() -> None:
+    """A health check for an app at zero is answered at once (a session start waits in its session
+    queue instead: tests/test_scale_from_zero.py)."""
+    with trio.fail_after(30):
+        async with at_zero(ColdStartConfig()) as (chain, _):
+            async with h2_client() as client:
+                url = f"http://{chain.host}:{chain.proxy_server.port}{HEALTH_PATH.decode()}"
+                answer = await client.get(url, headers={PROBE_HEADER.decode(): "1"})
+            assert (answer.status_code, answer.text) == (200, "ok\n")
+            assert chain.proxy.cold_start is not None and chain.proxy.cold_start.statistics().served == 0
 
 
 async def test_an_app_the_config_leaves_out_is_a_503_at_once_and_without_the_feature_too() -> None:

@@ -4,6 +4,7 @@ whose waiters ask the driver for a start."""
 from __future__ import annotations
 
 from blocks.autoscaler._driver import Autoscaler
+from blocks.fields import SESSIONS_PATH
 from blocks.hops import AwaitReplica, Exchange
 from blocks.routing import RouteCache
 
@@ -18,8 +19,9 @@ class ColdStartGate(AwaitReplica):
     :class:`~blocks.hops.AwaitReplica` has it, in :meth:`Autoscaler.waiter` (the first waiter asks
     the driver for a start, a failed start answers every waiter at once; past
     ``cold_start_timeout``, a 503 ``cold_start_timeout``). A session start
-    (``POST /.proxyblocks/sessions``, which the proxy answers itself) waits the
-    same way, then is placed on that replica.
+    (``POST /.proxyblocks/sessions``, which the proxy answers itself) asks the
+    driver for a start at once (:meth:`Autoscaler.demand`) and waits in its
+    app's session queue, which places it on the new replica.
     Requests for other apps pass untouched (no replica there stays a 503 ``no_replica`` at once).
     A proxy in another process needs no gate: ``ProxyConfig(cold_start=...)`` holds its requests,
     and what waits there reaches the driver through the store (:mod:`blocks.sources.demand`).
@@ -36,4 +38,7 @@ class ColdStartGate(AwaitReplica):
             return
         self.scaler.touch(app)
         if app not in self._live:
-            self.hold(exchange)
+            if exchange.answer is not None and exchange.request.path == SESSIONS_PATH:
+                self.scaler.demand(app)  # (its session queue waits for the replica)
+            else:
+                self.hold(exchange)

@@ -212,10 +212,12 @@ class AwaitReplica(Feature):
     authority maps to no app, or to an app ``apps`` leaves out, goes on
     too (a 503 at once). Otherwise it sets ``exchange.wait`` (unless a
     feature before it did): the handler awaits :meth:`ReplicaWait.wait`
-    before admission. A session start (``POST /.proxyblocks/sessions``,
-    answered by the proxy) waits the same way, then is placed on that
-    replica; a request of a session (its token names its replica) never
-    waits: it is pinned, and a gone replica is its ``410``.
+    before admission. A request the proxy answers itself never waits here:
+    a health check, and a session start (``POST /.proxyblocks/sessions``),
+    which waits in its app's session queue for a replica (bounded by the
+    queue's own ``queue_size`` and ``queue_timeout``); nor does a request of
+    a session (its token names its replica): it is pinned, and a gone
+    replica is its ``410``.
     """
 
     def __init__(self, wait: ReplicaWait, apps: Iterable[str] | None = None) -> None:
@@ -231,9 +233,9 @@ class AwaitReplica(Feature):
             self.hold(exchange)
 
     def hold(self, exchange: Exchange) -> None:
-        """Make ``exchange`` wait for its app's replica (not a session's request, nor one already held)."""
+        """Make ``exchange`` wait for its app's replica (not one answered here, a session's, nor one held)."""
         claims = exchange.claims
-        if exchange.wait is None and (claims is None or claims.kind != "session"):
+        if exchange.wait is None and exchange.answer is None and (claims is None or claims.kind != "session"):
             exchange.wait = self._wait
 
     async def _wait(self, exchange: Exchange) -> None:
