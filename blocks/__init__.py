@@ -28,6 +28,7 @@ from blocks.errors import (
 )
 from blocks.hops import (
     INTERNAL_LISTENER,
+    ColdStartConfig,
     Edge,
     EdgeConfig,
     Exchange,
@@ -180,6 +181,7 @@ __all__ = [
     "EdgeConfig",
     "Proxy",
     "ProxyConfig",
+    "ColdStartConfig",
     "Worker",
     "LocalReplica",
     "serve_edge",

@@ -15,6 +15,10 @@ and writes them with the codecs here.
   is one of :data:`REPLICA_STATES`), :func:`encode_settings` /
   :func:`decode_settings`; addresses as ``host:port``
   (:func:`format_address`, :func:`parse_address`);
+- demand: what waits for an app at a proxy (:class:`Demand`), which a
+  proxy publishes under :data:`DEMAND_PREFIX` (:func:`demand_key`,
+  :func:`encode_demand`, :func:`decode_demand`, :func:`parse_demand_key`)
+  and an autoscaler reads;
 - events: :class:`RouteEvent` (a put or a delete at a revision), and the
   watch heartbeat :class:`Progress`.
 
@@ -23,16 +27,22 @@ Every codec is sans-IO and strict: a record that does not decode raises
 """
 
 from blocks.routing import (
+    DEMAND_PREFIX,
     REPLICA_STATES,
+    Demand,
     RouteEvent,
+    decode_demand,
     decode_domain,
     decode_replica,
     decode_settings,
+    demand_key,
+    encode_demand,
     encode_domain,
     encode_replica,
     encode_settings,
     format_address,
     parse_address,
+    parse_demand_key,
     parse_key,
     parse_settings_key,
     route_key_for_domain,
@@ -42,17 +52,23 @@ from blocks.routing import (
 from blocks.sources import Progress
 
 __all__ = [
+    "DEMAND_PREFIX",
     "REPLICA_STATES",
+    "Demand",
     "Progress",
     "RouteEvent",
+    "decode_demand",
     "decode_domain",
     "decode_replica",
     "decode_settings",
+    "demand_key",
+    "encode_demand",
     "encode_domain",
     "encode_replica",
     "encode_settings",
     "format_address",
     "parse_address",
+    "parse_demand_key",
     "parse_key",
     "parse_settings_key",
     "route_key_for_domain",

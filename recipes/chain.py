@@ -19,6 +19,13 @@ One role per process, so the hops can live on different machines
     python -m recipes.chain --role proxy --port 9000 --next-hop h2c://WORKER:9001 --replica http://APP:8000
     python -m recipes.chain --role edge --port 8080 --next-hop h2c://PROXY:9000
 
+With ``--route-source ETCD`` a proxy holds a request for an app that has no
+live replica (an autoscaler elsewhere scaled it to zero) until one is
+routed, and publishes what waits there in etcd for that autoscaler; a
+``[cold_start]`` table in the config file tunes it (``timeout``,
+``max_waiting``, ``retry_after``, ``apps``) or turns it off (``enabled =
+false``): docs/autoscaler.md.
+
 Poke it (any authority routes to the demo app, or to your ``--replica`` servers):
 
     curl -i http://127.0.0.1:PORT/                         # x-replica, server-timing
@@ -154,7 +161,8 @@ def run() -> None:
     flag("--replica-ca", type=Path, metavar="FILE", help="trust https replicas signed by these CAs (PEM) only")
     settings = vars(parser.parse_args())
     settings["options"] = hop_options(settings, error=parser.error)
-    grace, config, *_ = (settings.pop(name) for name in ("grace", "config", "auth", "sessions", "mirror", "log_level"))
+    tables = ("auth", "sessions", "mirror", "cold_start", "log_level")
+    grace, config, *_ = (settings.pop(name) for name in ("grace", "config", *tables))
     settings["scheduler"] = None if settings.pop("no_scheduler") else settings["scheduler"] or FAIR
     start = functools.partial(main, reread=parser.reparse if config else None, **settings)
     run_until_signal(start, grace=grace, operations=settings["operations"], listen=(settings["host"], settings["port"]))

@@ -788,3 +788,24 @@ async def held_chain(nursery: trio.Nursery, release: trio.Event, *, metered: boo
 
     chain: Chain = await nursery.start(serve_chain, build)
     return chain
+
+
+def start_gets(nursery: trio.Nursery, client: httpx.AsyncClient, n: int, into: list[httpx.Response]) -> None:
+    """``n`` concurrent ``GET /`` through ``client`` in ``nursery``, each response appended to ``into``."""
+
+    async def get() -> None:
+        into.append(await client.get("/"))
+
+    for _ in range(n):
+        nursery.start_soon(get)
+
+
+def gated(path: Path) -> str:
+    """An autoscaler's command for the demo replica, started only once ``path`` exists (a test holds a
+    cold start for as long as it needs)."""
+    return (
+        f'{sys.executable} -c "import pathlib, runpy, sys, time\n'
+        f"while not pathlib.Path('{path}').exists(): time.sleep(0.02)\n"
+        f"sys.argv = ['replica', '--port', '{{port}}', '--name', '{{name}}']\n"
+        f"runpy.run_module('blocks.testing.replica', run_name='__main__')\""
+    )

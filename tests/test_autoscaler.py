@@ -18,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -30,8 +30,10 @@ import trio
 
 from blocks import (
     Chain,
+    ColdStartConfig,
     EmbeddedStore,
     Keyring,
+    ProxyConfig,
     SessionConfig,
     TokenIssuer,
     TokenKey,
@@ -50,7 +52,7 @@ from blocks.autoscaler import (
 )
 from blocks.errors import SourceUnavailable
 from blocks.store import route_key_for_replica
-from tests.support import RawFrames
+from tests.support import RawFrames, gated, start_gets
 
 APP = "demo"
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,16 +65,6 @@ SLOW = (  # the demo replica, listening only after a second
 FAST = DriverConfig(interval=0.1, health_interval=0.05, settle=0.2, drain_timeout=20, stop_timeout=5)
 NOWHERE = ("127.0.0.1", 1)  # a worker nobody answers at: the prober's polls fail, the replicas run anyway
 LONE = attrs.evolve(FAST, drain_timeout=1, stop_timeout=2)  # (with NOWHERE, a drain lasts its whole timeout)
-
-
-def gated(path: Path) -> str:
-    """The demo replica, started only once ``path`` exists (a test holds a cold start for as long as it needs)."""
-    return (
-        f'{sys.executable} -c "import pathlib, runpy, sys, time\n'
-        f"while not pathlib.Path('{path}').exists(): time.sleep(0.02)\n"
-        f"sys.argv = ['replica', '--port', '{{port}}', '--name', '{{name}}']\n"
-        f"runpy.run_module('blocks.testing.replica', run_name='__main__')\""
-    )
 
 
 async def until(predicate: Callable[[], object]) -> None:
@@ -645,6 +637,82 @@ async def test_a_sessioned_app_follows_its_sessions_and_never_drains_a_replica_t
     assert (peak, starts, len(pids)) == (3, 3, 3)
     assert not any(alive(pid) for pid in pids)
     assert [key for key in chain.store.items() if key.startswith("apps/")] == []
+
+
+async def test_a_proxy_without_the_gate_reaches_the_driver_through_what_it_publishes(tmp_path: Path) -> None:
+    """``ProxyConfig(cold_start=...)`` holds the requests at zero with no driver to call: what waits there
+    goes into the store (as a proxy in another process would publish it), the driver reads it, starts one
+    replica, and every request is served by it."""
+    template = ReplicaTemplate(command=gated(tmp_path / "go"), protocol="h2", domains=("*",))
+    policy = AutoscalePolicy({APP: ScalingConfig(target_concurrency=100)})
+    with trio.fail_after(60):
+        async with open_chain() as chain:
+            worker_server, _ = await chain.start_worker({}, app=None)
+            worker = (chain.host, worker_server.port)
+            async with open_autoscaler(policy, {APP: template}, chain.store, worker=worker, config=FAST) as scaler:
+                await chain.start_proxy(config=ProxyConfig(cold_start=ColdStartConfig()))
+                await chain.start_edge()
+                answers: list[httpx.Response] = []
+                async with (
+                    httpx.AsyncClient(base_url=chain.url, trust_env=False, timeout=30) as client,
+                    trio.open_nursery() as nursery,
+                ):
+                    start_gets(nursery, client, 10, answers)
+                    await until(lambda: scaler.statistics().apps[APP].waiting == 10)  # as published
+                    assert scaler.statistics().apps[APP].starting == 1
+                    (tmp_path / "go").touch()
+                assert [(r.status_code, r.headers["x-replica"]) for r in answers] == [(200, "demo-0")] * 10
+                await until(lambda: scaler.statistics().apps[APP].waiting == 0)
+                assert scaler.statistics().apps[APP].starts == 1
+            chain.cancel()
+
+
+async def test_session_starts_queued_for_a_place_scale_a_sessioned_app_up() -> None:
+    """Two sessions per replica, both the target and the proxy's cap: a third start finds no place and
+    waits in the session queue; the proxy publishes it, the driver counts it as a session, and the
+    start is granted on the replica that brings."""
+    key = TokenKey.hmac("k1", bytes(range(32)))
+    issuer, verifier = TokenIssuer(key), TokenVerifier(Keyring([key]))
+    scaling = ScalingConfig(target_concurrency=2, up_window=0.3, down_window=60, idle_timeout=60, unit="sessions")
+    policy = AutoscalePolicy({APP: scaling})
+    template = ReplicaTemplate(command=DEMO, protocol="h2", domains=("*",))
+    auth = {"authorization": "Bearer " + issuer.mint(app=APP, tenant="t", now=time.time(), ttl=300)}
+    with trio.fail_after(60):
+        async with open_chain() as chain:
+            worker_server, _ = await chain.start_worker({}, app=None, sessions=WorkerSessionConfig())
+            address = (chain.host, worker_server.port)
+            async with open_autoscaler(policy, {APP: template}, chain.store, worker=address, config=FAST) as scaler:
+                await chain.start_proxy(
+                    features=[ColdStartGate(scaler, chain.cache)],
+                    sessions=SessionConfig(apps={APP}, max_per_replica=2, queue_timeout=30),
+                    session_issuer=issuer,
+                    session_verifier=verifier,
+                )
+                await chain.start_edge()
+                async with httpx.AsyncClient(base_url=chain.url, trust_env=False, timeout=30) as client:
+
+                    async def start() -> str:
+                        response = await client.post("/.proxyblocks/sessions", headers=auth)
+                        assert response.status_code == 201, response.text
+                        return str(response.json()["replica"])
+
+                    assert [await start(), await start()] == ["demo-0", "demo-0"]
+                    await until(lambda: scaler.statistics().apps[APP].sessions == 2)
+                    assert scaler.statistics().apps[APP].wanted == 1  # at the target: no more
+                    placed: list[str] = []
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(lambda: _append(placed, start()))
+                        await until(lambda: scaler.statistics().apps[APP].queued == 1)  # as the proxy publishes it
+                    assert placed == ["demo-1"]
+                # the start left the queue; three sessions, on two replicas, and no other started
+                await until(lambda: (lambda s: (s.queued, s.sessions))(scaler.statistics().apps[APP]) == (0, 3))
+                stats = scaler.statistics().apps[APP]
+                assert (stats.starts, stats.ready, stats.wanted) == (2, 2, 2)
+            chain.cancel()
+
+
+async def _append(into: list[str], value: Awaitable[str]) -> None:
+    into.append(await value)
 
 
 async def test_a_sessioned_app_whose_worker_keeps_no_sessions_is_warned_of_once(

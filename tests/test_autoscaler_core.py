@@ -329,11 +329,28 @@ configs = st.builds(
 steps = st.lists(
     st.tuples(
         st.sampled_from([0.0, 0.1, 0.5, 1.0, 4.0]),  # time passes
-        st.sampled_from(["record", "record", "request", "touch", "die", "load"]),
+        st.sampled_from(["record", "record", "request", "touch", "die", "load", "wait"]),
         st.integers(0, 60),  # in flight (or sessions)
     ),
     max_size=60,
 )
+
+
+def act(p: AutoscalePolicy, op: str, n: int, now: float) -> None:
+    """One step of a property's sequence: a figure, a request, a touch, a death, a replica's load, or what waits."""
+    names = sorted(p.statistics(now).apps[APP].replicas)
+    if op == "record":
+        p.record(APP, n, now)
+    elif op == "request":
+        p.request(APP, now)
+    elif op == "touch":
+        p.touch(APP, now)
+    elif op == "die" and names:
+        p.gone(APP, names[n % len(names)], now)
+    elif op == "load" and names:
+        p.load(APP, names[n % len(names)], n, n % 3)
+    elif op == "wait":
+        p.waiting(APP, n % 3, now)
 
 
 def wanted_as_of(history: list[tuple[float, int]], when: float) -> int:
@@ -357,17 +374,7 @@ def test_property_within_bounds_and_no_flapping(config: ScalingConfig, ops: list
     history: list[tuple[float, int]] = []
     for dt, op, n in ops:
         now += dt
-        names = sorted(p.statistics(now).apps[APP].replicas)
-        if op == "record":
-            p.record(APP, n, now)
-        elif op == "request":
-            p.request(APP, now)
-        elif op == "touch":
-            p.touch(APP, now)
-        elif op == "die" and names:
-            p.gone(APP, names[n % len(names)], now)
-        elif op == "load" and names:
-            p.load(APP, names[n % len(names)], n, n % 3)
+        act(p, op, n, now)
         decision = fleet.step(now)
         assert config.min_replicas <= decision.replicas <= config.max_replicas
         assert decision.start == 0 or not decision.drain
@@ -413,6 +420,90 @@ def test_property_no_session_host_drains_while_another_could_go(fleet: list[tupl
     starting = {f"r{i}" for i, (is_ready, _, _) in enumerate(fleet) if not is_ready}
     if stays & starting:
         assert drained <= starting  # a starting replica goes before any ready one
+
+
+# -- what waits at the proxies ---------------------------------------------------------------
+
+
+def test_waiting_at_a_proxy_starts_an_app_at_zero_and_keeps_it_from_idle() -> None:
+    """What a proxy in another process holds (it calls no ``request`` here) reaches the policy once a round."""
+    p = policy(idle_timeout=3, down_window=5)
+    fleet = Fleet(p)
+    assert fleet.step(0.0) == Decision(APP, 0, 0, (), "hold")
+    p.waiting(APP, 7, 0.5)
+    assert fleet.step(0.5) == Decision(APP, 1, 1, (), "cold start")  # one, for all seven
+    assert p.statistics(0.5).apps[APP].waiting == 7
+    for t in range(1, 30):  # nothing in flight, no request here: only what waits there, reported once
+        p.record(APP, 0, float(t))
+        assert fleet.step(float(t)).replicas == 1
+    p.waiting(APP, 0, 30.0)
+    assert fleet.step(30.0).replicas == 1  # busy until now: idle only idle_timeout after it
+    decision = fleet.step(33.0)
+    assert (decision.replicas, decision.reason) == (0, "idle")
+    with pytest.raises(ValueError, match="negative"):
+        p.waiting(APP, -1, 34.0)
+
+
+def test_a_sessioned_app_scales_on_the_starts_that_wait_for_a_place() -> None:
+    """The driver records a sessioned app's sessions hosted plus its starts waiting: full replicas
+    with starts queued ask for more, where the sessions hosted alone (at the target) would not."""
+    p = policy(target_concurrency=2, unit="sessions", up_window=1, down_window=100)
+    fleet = Fleet(p)
+    for t in range(3):
+        p.record(APP, 4, float(t))  # two replicas, two sessions each: at the target (and at their cap)
+        fleet.step(float(t))
+    assert ready(p) == 2
+    p.waiting(APP, 3, 3.0)
+    for t in range(3, 6):
+        p.record(APP, 4 + 3, float(t))
+        fleet.step(float(t))
+    assert ready(p) == 4  # ceil(7 / 2)
+
+
+waits = st.lists(
+    st.tuples(
+        st.sampled_from([0.0, 0.5, 1.0, 4.0, 20.0]),
+        st.sampled_from(["record", "touch", "die", "wait", "wait"]),
+        st.integers(0, 20),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(configs, waits)
+def test_property_while_anything_waits_the_app_keeps_a_replica(
+    config: ScalingConfig, ops: list[tuple[float, str, int]]
+) -> None:
+    """Told that requests or session starts wait, every decision wants a replica and none is idle."""
+    p = AutoscalePolicy({APP: config})
+    fleet = Fleet(p)
+    now = 0.0
+    waiting = 0
+    for dt, op, n in ops:
+        now += dt
+        act(p, op, n, now)
+        if op == "wait":
+            waiting = n % 3
+        decision = fleet.step(now)
+        if waiting:
+            assert decision.replicas >= 1 and decision.reason != "idle", decision
+
+
+@settings(max_examples=300, deadline=None)
+@given(configs, steps)
+def test_property_nothing_waiting_changes_no_decision(config: ScalingConfig, ops: list[tuple[float, str, int]]) -> None:
+    """``waiting(app, 0)`` each round (what the driver says when no proxy holds anything) is no input."""
+    told, untold = AutoscalePolicy({APP: config}), AutoscalePolicy({APP: config})
+    fleets = Fleet(told), Fleet(untold)
+    now = 0.0
+    for dt, op, n in ops:
+        now += dt
+        for p in (told, untold):
+            if op != "wait":
+                act(p, op, n, now)
+        told.waiting(APP, 0, now)
+        assert fleets[0].step(now) == fleets[1].step(now)
 
 
 def test_decisions_are_frozen() -> None:

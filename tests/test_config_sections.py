@@ -1,4 +1,4 @@
-"""The proxy's tables in a config file: ``[auth]``, ``[sessions]``, ``[mirror]`` and an app's ``mirror``.
+"""The proxy's tables in a config file: ``[auth]``, ``[sessions]``, ``[mirror]``, ``[cold_start]``, an app's ``mirror``.
 
 Each reader is tested on its own (a good table -> the exact records; a bad
 one -> an error that names the key), then ``python -m recipes.chain --config
@@ -32,7 +32,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from support import Lines, start_recipe
 
 from blocks import (
+    ColdStartConfig,
     MirrorConfig,
+    ProxyConfig,
     Request,
     Response,
     SessionConfig,
@@ -45,13 +47,17 @@ from blocks import (
 from blocks.routing import AppSettings, MirrorSetting, SessionSetting
 from blocks.tokens import InvalidToken, ProxyAuth
 from blocks.topology import (
+    ROUTED_COLD_START,
     App,
     AuthSettings,
+    ChainPlan,
+    ColdStartSettings,
     SessionSettings,
     hop_options,
     proxy_sections,
     read_apps,
     read_auth,
+    read_cold_start,
     read_mirror,
     read_sessions,
     read_token_keys,
@@ -298,6 +304,60 @@ def test_a_public_key_cannot_sign_session_tokens(tmp_path: Path) -> None:
     sessions = read_sessions({"apps": ["room"], "keys": [{"kid": "s1", "public_key_file": "s1.pub"}]}, base=tmp_path)
     with pytest.raises(ValueError, match="'s1' cannot sign"):
         hop_options({"sessions": sessions})
+
+
+# -- [cold_start] --------------------------------------------------------------------------------
+
+
+def test_cold_start_reads_its_knobs_into_the_proxys_config() -> None:
+    table = {"timeout": 5, "max_waiting": 20, "retry_after": 2, "apps": ["chat"]}
+    settings = read_cold_start(table)
+    config = ColdStartConfig(timeout=5.0, max_waiting=20, retry_after=2.0, apps=["chat"])
+    assert settings == ColdStartSettings(config=config)
+    assert read_cold_start({}) == ColdStartSettings(config=ColdStartConfig())
+    assert read_cold_start({"enabled": False, "timeout": 5}) == ColdStartSettings(config=None)
+    assert hop_options({"cold_start": settings})["proxy"] == {"config": ProxyConfig(cold_start=config)}
+    assert hop_options({"cold_start": read_cold_start({"enabled": False})})["proxy"] == {"config": ProxyConfig()}
+    assert "config" not in hop_options({})["proxy"]
+
+
+@pytest.mark.parametrize(
+    ("table", "names"),
+    [
+        ([], ["cold_start is a table"]),
+        ({"timeout": 0}, ["timeout"]),
+        ({"timeout": "soon"}, ["timeout", "not a number"]),
+        ({"max_waiting": 0}, ["max_waiting"]),
+        ({"apps": "chat"}, ["apps", "not a list of strings"]),
+        ({"enabled": "no"}, ["enabled", "not true or false"]),
+        ({"wait": 3}, ["wait", "not a setting of [cold_start]"]),
+    ],
+)
+def test_a_bad_cold_start_table_names_the_key(table: object, names: list[str]) -> None:
+    with pytest.raises((ValueError, TypeError)) as raised:
+        read_cold_start(table)
+    for name in names:
+        assert name in str(raised.value), (name, str(raised.value))
+
+
+def test_a_proxy_that_routes_from_etcd_waits_for_a_replica_unless_its_file_says_not() -> None:
+    """The plan's proxy: the cold-start wait on with --route-source, off without, as ``[cold_start]`` says
+    when the file has it (the process test: tests/test_scale_from_zero.py)."""
+    etcd = "http://127.0.0.1:2379"
+    off = hop_options({"cold_start": read_cold_start({"enabled": False})})
+    tuned = hop_options({"cold_start": read_cold_start({"timeout": 3})})
+    cases = [
+        (ChainPlan(), None),
+        (ChainPlan(route_source=etcd), ROUTED_COLD_START),
+        (ChainPlan(route_source=etcd, options=off), None),
+        (ChainPlan(options=tuned), ColdStartConfig(timeout=3.0)),
+        (ChainPlan(role="proxy", name="p7", route_source=etcd), ROUTED_COLD_START),
+    ]
+    for plan, expected in cases:
+        config = plan.proxy_options()["config"]
+        assert config.cold_start == expected
+        assert config.name == (plan.name or "proxy")
+    assert ChainPlan(proxies=2, route_source=etcd).proxy_options(2)["config"].name == "proxy-2"
 
 
 # -- [mirror] and an app's mirror ----------------------------------------------------------------

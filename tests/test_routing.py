@@ -17,11 +17,17 @@ from hypothesis import strategies as st
 from blocks import LeastInFlight, Replica, Request, RouteCache, Routes, RouteTable
 from blocks.routing import PowerOfTwo, RoundRobin
 from blocks.store import (
+    DEMAND_PREFIX,
+    Demand,
     RouteEvent,
+    decode_demand,
     decode_domain,
     decode_replica,
+    demand_key,
+    encode_demand,
     encode_domain,
     encode_replica,
+    parse_demand_key,
     route_key_for_domain,
     route_key_for_replica,
 )
@@ -485,6 +491,40 @@ def test_bad_values_are_ignored_for_their_key_and_counted() -> None:
     }
     cache.apply([put(CHAT_1, replica_value(8001), 17)], 102.0)  # fixed by the next write
     assert names(cache.replicas("chat")) == ["chat-1", "chat-2"]
+
+
+def test_demand_records_beside_the_routes_are_no_routes_and_no_bad_values() -> None:
+    """An embedded store holds what proxies publish for an autoscaler beside the routes: the cache skips it."""
+    key = DEMAND_PREFIX + demand_key("chat", "proxy-1")
+    cache = RouteCache()
+    cache.load({key: encode_demand(Demand(requests=3)), route_key_for_domain("*"): encode_domain("chat")}, 1, 0.0)
+    heard: list[frozenset[str]] = []
+    cache.add_listener(heard.append)
+    cache.apply([put(key, b"{not json", 2), RouteEvent("delete", key, None, 3)], 1.0)
+    stats = cache.statistics()
+    assert (stats.bad_values, stats.domains, stats.apps, stats.revision, heard) == ({}, 1, 0, 3, [])
+
+
+def test_demand_records_round_trip_and_say_what_is_wrong() -> None:
+    assert demand_key("chat", "proxy-1") == "chat/proxy-1"
+    assert parse_demand_key("chat/proxy-1") == ("chat", "proxy-1")
+    demand = Demand(requests=2, sessions=5)
+    assert decode_demand(encode_demand(demand)) == demand
+    assert demand + Demand(1, 1) == Demand(3, 6) and demand.total == 7
+    assert not Demand() and Demand(sessions=1)
+    assert decode_demand(b'{"sessions": 4, "newer": true}') == Demand(sessions=4)  # missing 0, unknown ignored
+    for bad, reason in [(b"{", "not JSON"), (b"[]", "not a JSON object"), (b'{"requests": -1}', "bad count")]:
+        with pytest.raises(ValueError, match=reason):
+            decode_demand(bad)
+    with pytest.raises(ValueError, match="bad count"):
+        decode_demand(b'{"requests": true}')
+    for key in ("chat", "chat/", "/p", "chat/p/x"):
+        with pytest.raises(ValueError, match="unknown key"):
+            parse_demand_key(key)
+    with pytest.raises(ValueError, match="without '/'"):
+        demand_key("a/b", "p")
+    with pytest.raises(ValueError, match="ints >= 0"):
+        encode_demand(Demand(requests=-1))
 
 
 def test_uppercase_domain_keys_are_unknown() -> None:

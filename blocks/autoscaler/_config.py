@@ -108,7 +108,10 @@ class AppDriverStatistics:
     ``in_flight``: what the prober last saw on the ready ones; ``sessions``:
     the sessions they host, as their worker reports them (what an app with
     ``unit="sessions"`` scales by; 0 when the worker keeps none); ``waiting``:
-    requests waiting for a cold start; ``starts``: processes started;
+    requests waiting for a cold start (at the gates in this process, and at
+    the proxies that publish their demand); ``queued``: session starts
+    waiting in the proxies' session queues, as they publish them (a
+    sessioned app counts them as sessions); ``starts``: processes started;
     ``failed_starts``: that exited or never answered before they were ready;
     ``restarts``: ready replicas that died and were replaced; ``backoff``:
     the wait after the last failed start (seconds: 0.1 doubling to 10 per
@@ -124,6 +127,7 @@ class AppDriverStatistics:
     in_flight: int
     sessions: int
     waiting: int
+    queued: int
     starts: int
     failed_starts: int
     restarts: int

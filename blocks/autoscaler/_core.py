@@ -38,9 +38,11 @@ Per app, an :class:`AutoscalePolicy` keeps three things:
      demanded replica: the demand becomes that total over the target,
      rounded up, but at least 1;
   3. *cold start*: a request for an app with no replica
-     (:meth:`~AutoscalePolicy.request`) makes the demand at least 1 at once;
-  4. *idle*: nothing in flight and no request (:meth:`~AutoscalePolicy.touch`)
-     for ``idle_timeout``, and the last increase at least ``down_window``
+     (:meth:`~AutoscalePolicy.request`), or anything the proxies say waits
+     for the app (:meth:`~AutoscalePolicy.waiting`), makes the demand at
+     least 1 at once;
+  4. *idle*: nothing in flight, no request (:meth:`~AutoscalePolicy.touch`)
+     and nothing waiting for ``idle_timeout``, and the last increase at least ``down_window``
      old: the demand is 0 and the buffer is dropped (scale to zero, or to
      ``min_replicas``). Only this rule takes the demand to 0.
 
@@ -201,6 +203,9 @@ class AppScalingStatistics:
     last_up: float
     last_down: float
     replicas: dict[str, ReplicaStatistics]
+    waiting: int = 0
+    """Requests and session starts waiting for the app at its proxies, as last told
+    (:meth:`AutoscalePolicy.waiting`)."""
 
 
 @attrs.frozen
@@ -227,6 +232,7 @@ class _App:
     last_down: float = -math.inf
     last_busy: float = -math.inf
     cold: bool = False  # a cold start raised the demand since the last decision
+    waiting: int = 0  # requests and session starts waiting at the proxies, as last told
     # the increases of the wanted count within the last up_window: (when, the count before it)
     ups: collections.deque[tuple[float, int]] = attrs.field(factory=collections.deque)
 
@@ -394,6 +400,29 @@ class AutoscalePolicy:
             return "wait"
         return "start"
 
+    def waiting(self, app: str, waiting: int, now: float) -> None:
+        """``waiting`` requests and session starts wait for ``app`` at its proxies now: their latest word, summed.
+
+        What waits is demand however the proxies hold it: requests held for
+        the app's first replica (in another process, where :meth:`request`
+        is not called), session starts in a session queue. While the figure
+        is above 0 the app is busy at every decision (never idle) and its
+        demand is at least 1, so an app at zero starts a replica at the next
+        :meth:`decide` (``"cold start"``); 0 (what it says until told
+        otherwise) changes no decision. A sessioned app's waiting starts are
+        load as well: the driver records them with the sessions hosted
+        (:meth:`record`). ``ValueError`` for a negative figure.
+        """
+        if waiting < 0:
+            raise ValueError(f"waiting ({waiting!r}) must not be negative")
+        state = self._app(app)
+        state.waiting = waiting
+        if waiting:
+            state.last_busy = max(state.last_busy, now)
+            if state.demand < 1:
+                state.demand = 1
+                state.cold = True
+
     # -- the decision --------------------------------------------------------------------------
 
     def decide(self, app: str, now: float) -> Decision:
@@ -405,6 +434,8 @@ class AutoscalePolicy:
         while ups and ups[0][0] <= now - config.up_window:
             ups.popleft()
         cap = config.scale_up_cap(ups[0][1] if ups else state.wanted)
+        if state.waiting:  # (told once a round; busy at every decision in between)
+            state.last_busy = max(state.last_busy, now)
         reason = "cold start" if state.cold else "hold"
         state.cold = False
         settled = now - state.last_up >= config.down_window - _EPSILON  # no decrease within the window
@@ -481,5 +512,6 @@ class AutoscalePolicy:
                     name: ReplicaStatistics(r.phase, r.since, r.in_flight, r.sessions)
                     for name, r in sorted(state.replicas.items())
                 },
+                waiting=state.waiting,
             )
         return AutoscalerStatistics(apps)

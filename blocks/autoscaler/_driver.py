@@ -12,6 +12,11 @@ lifetime, never a request's):
   cold start, a replica that died or came up), it asks the policy and
   carries out the decision; each round it also retries the store deletes
   that failed;
+- the demand reader: once a round, what waits at the proxies of other
+  processes (requests held for a cold start, session starts in a session
+  queue), as they publish it in the store (:mod:`blocks.sources.demand`):
+  an app at zero with something waiting starts a replica, and a sessioned
+  app counts its waiting starts as sessions;
 - one task per replica (:mod:`._replica`), which owns its process
   (:mod:`._process`) and its record (:mod:`._store`) from start to exit.
 
@@ -34,7 +39,6 @@ What holds, however the driver ends:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import socket
@@ -49,18 +53,20 @@ from blocks.autoscaler._config import AppDriverStatistics, DriverConfig, DriverS
 from blocks.autoscaler._core import AutoscalePolicy
 from blocks.autoscaler._process import Spawner
 from blocks.autoscaler._replica import AppState, Replica, run_replica
-from blocks.autoscaler._store import PendingDeletes, Store, delete, owned_keys, put
-from blocks.errors import BlocksError, ColdStartFailed, ColdStartFull, ColdStartTimeout, NoRoute, SourceError
+from blocks.autoscaler._store import STORE_TIMEOUT, PendingDeletes, Store, delete, owned_keys, put
+from blocks.errors import BlocksError, ColdStartFailed, NoRoute, SourceError
+from blocks.hops import ColdStartConfig, ReplicaWait
 from blocks.prober import LoadEstimator, LoadReport, Prober, ProberConfig, open_prober
 from blocks.routing import (
     Address,
+    Demand,
     RouteCache,
     encode_domain,
     format_address,
     route_key_for_domain,
     route_key_for_replica,
 )
-from blocks.singleflight import SingleFlight, open_single_flight
+from blocks.sources.demand import read_demand
 from blocks.transport.multiplexer import Upstreams, open_upstreams
 
 log = logging.getLogger("blocks.autoscaler")
@@ -91,12 +97,13 @@ class Autoscaler:
     worker: Address
     config: DriverConfig
     _upstreams: Upstreams
-    _flights: SingleFlight
     estimator: LoadEstimator = attrs.field(factory=LoadEstimator)
     _apps: dict[str, AppState] = attrs.field(init=False)
     _spawner: Spawner = attrs.field(init=False, factory=Spawner)
     _replicas: dict[str, Replica] = attrs.field(init=False, factory=dict)
     _sessions: dict[str, int] = attrs.field(init=False, factory=dict)
+    _waits: dict[RouteCache, ReplicaWait] = attrs.field(init=False, factory=dict)  # the gates' waiters, per cache
+    _remote: dict[str, Demand] = attrs.field(init=False, factory=dict)  # what the proxies publish, per app
     _pending: PendingDeletes = attrs.field(init=False, factory=PendingDeletes)
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -128,79 +135,55 @@ class Autoscaler:
         if self.policy.request(app, trio.current_time()) != "ready":
             self._decide(app)
 
+    def waiter(self, routes: RouteCache) -> ReplicaWait:
+        """The requests waiting for a cold start of one of its apps in ``routes`` (a proxy's cache): one per cache.
+
+        Bounded by ``config.cold_start_timeout`` and ``config.max_waiting``;
+        an app's first waiter asks for a start (:meth:`demand`), and a failed
+        start (or a driver that stops) answers every waiter at once.
+        """
+        wait = self._waits.get(routes)
+        if wait is None:
+            config = ColdStartConfig(timeout=self.config.cold_start_timeout, max_waiting=self.config.max_waiting)
+            wait = self._waits[routes] = ReplicaWait(routes, config, start=self._start_cold, check=self._refuse)
+        return wait
+
     async def wait_routed(self, app: str, routes: RouteCache) -> None:
         """Return once ``routes`` offers ``app`` a live replica, starting one if none is; a cold start.
 
         Waits on memory only: ``routes`` (the proxy's cache) tells its
         listeners when the app's replicas change, and the start runs in the
-        driver's nursery. Concurrent callers for the same app share one wait
-        (single-flight), and the policy starts one replica for all of them.
-        A caller that gives up never cancels the start. Each a 503:
+        driver's nursery: a caller that gives up never cancels it. One start
+        serves every caller (the policy starts one replica for all). Each a 503:
 
         - :class:`~blocks.errors.ColdStartTimeout` after ``config.cold_start_timeout``;
         - :class:`~blocks.errors.ColdStartFull` at once with ``config.max_waiting``
           requests for the app waiting already;
         - :class:`~blocks.errors.ColdStartFailed` at once while the app's starts
           are backed off after a failure, and to every waiter when a start fails
-          (or the start itself raised: logged once, by the flight).
+          (or asking for the start raised: logged once).
+
+        ``KeyError`` for an app it does not scale.
         """
-        if routes.replicas(app):
-            return
-        state = self._apps[app]
+        if app not in self._apps:
+            raise KeyError(app)
+        await self.waiter(routes).wait(app)
+
+    def _start_cold(self, app: str) -> None:
+        """An app's first waiter: ask for a start now; a bug in that is logged once and a 503 for the waiter."""
+        try:
+            self.demand(app)
+        except BlocksError:
+            raise
+        except Exception as exc:
+            log.exception("%s: the cold start failed", app)
+            raise ColdStartFailed(f"{app}: the cold start failed: {exc!r}", app=app) from exc
+
+    def _refuse(self, app: str) -> None:
+        """Before a request waits, and when its waiters are woken: a 503 if no start is coming."""
         if not self._open:
             raise NoRoute(f"{app}: the autoscaler stopped", error_reason="no_replica")
         self._refuse_if_backed_off(app)
-        if state.waiting >= self.config.max_waiting:
-            raise ColdStartFull(f"{app}: {state.waiting} requests wait for a cold start already", app=app)
-        key = ("cold start", app, id(routes))
-        timeout = self.config.cold_start_timeout
-        state.waiting += 1
-        try:
-            with trio.move_on_after(timeout):
-                while not routes.replicas(app):
-                    try:
-                        await self._flights.load(key, functools.partial(self._cold_start, app, routes))
-                    except trio.TooSlowError:
-                        continue  # that flight ran its course; this caller's own time is not up
-                    except trio.ClosedResourceError as exc:  # the autoscaler is stopping
-                        raise NoRoute(f"{app}: the autoscaler stopped", error_reason="no_replica") from exc
-                return
-        finally:
-            state.waiting -= 1
-        raise ColdStartTimeout(f"{app}: no replica ready within {timeout:g}s of a cold start", app=app)
-
-    async def _cold_start(self, app: str, routes: RouteCache) -> None:
-        """Ask for a replica, then wait until ``routes`` offers one, or its start fails (a single-flight load)."""
-        state = self._apps[app]
-        wakeup = trio.Event()
-
-        def changed(apps: frozenset[str]) -> None:
-            if app in apps and routes.replicas(app):
-                wakeup.set()
-
-        remove = routes.add_listener(changed)
-        state.wakeups.add(wakeup)
-        try:
-            self.demand(app)
-            while not routes.replicas(app):
-                self._refuse_if_backed_off(app)
-                await wakeup.wait()
-                state.wakeups.discard(wakeup)
-                wakeup = trio.Event()
-                state.wakeups.add(wakeup)
-        except BlocksError as exc:
-            if exc.status != 503:
-                raise self._flight_failed(app, exc) from exc
-            raise
-        except Exception as exc:  # a bug, once, logged here: every waiter gets a 503 that says so
-            raise self._flight_failed(app, exc) from exc
-        finally:
-            state.wakeups.discard(wakeup)
-            remove()
-
-    def _flight_failed(self, app: str, exc: Exception) -> ColdStartFailed:
-        log.error("%s: the cold start failed", app, exc_info=exc)
-        return ColdStartFailed(f"{app}: the cold start failed: {exc!r}", app=app)
 
     def _refuse_if_backed_off(self, app: str) -> None:
         """``ColdStartFailed`` while ``app``'s starts are backed off and none of its replicas runs."""
@@ -234,6 +217,7 @@ class Autoscaler:
         apps = {}
         for app, state in self._apps.items():
             phases = [self._replicas[name].phase for name in state.replicas]
+            remote = self._remote.get(app, Demand())
             apps[app] = AppDriverStatistics(
                 wanted=policy[app].wanted,
                 starting=phases.count("starting"),
@@ -241,7 +225,8 @@ class Autoscaler:
                 draining=phases.count("draining"),
                 in_flight=policy[app].in_flight,
                 sessions=policy[app].sessions,
-                waiting=state.waiting,
+                waiting=self._waiting(app) + remote.requests,
+                queued=remote.sessions,
                 starts=state.starts,
                 failed_starts=state.failed_starts,
                 restarts=state.restarts,
@@ -270,11 +255,17 @@ class Autoscaler:
             )
         self._round_sent = max(self._round_sent, taken_at)
 
+    def _waiting(self, app: str) -> int:
+        """Requests for ``app`` waiting for a cold start at the gates in this process."""
+        return sum(wait.waiting(app) for wait in self._waits.values())
+
     def _feed(self, now: float) -> None:
-        """The prober's figures into the policy: per replica, and per app (requests, or sessions: its unit)."""
+        """The prober's figures into the policy: per replica, and per app (requests, or sessions: its unit),
+        with what waits for the app here and at the proxies that publish it (a sessioned app's waiting
+        starts count as sessions)."""
         for app, state in self._apps.items():
-            if state.waiting:
-                self.policy.touch(app, now)  # requests wait for a replica: the app is anything but idle
+            remote = self._remote.get(app, Demand())
+            self.policy.waiting(app, self._waiting(app) + remote.total, now)
             requests = sessions = 0
             for name in state.replicas:
                 phase = self._replicas[name].phase
@@ -289,7 +280,7 @@ class Autoscaler:
             if app in self._by_sessions:
                 if requests:
                     self.policy.touch(app, now)  # requests in flight: not idle, whatever the sessions
-                self.policy.record(app, sessions, now)
+                self.policy.record(app, sessions + remote.sessions, now)
             else:
                 self.policy.record(app, requests, now)
 
@@ -346,6 +337,25 @@ class Autoscaler:
                 await self._pending.retry(self.store)
                 self._wake_soon()  # a name may be free again
 
+    async def _read_demand_forever(self) -> None:
+        """Each round: what the proxies publish waits for its apps; the decision loop hears a change at once."""
+        down = False
+        while True:
+            try:
+                with trio.fail_after(STORE_TIMEOUT):
+                    found = await read_demand(self.store)
+            except (SourceError, trio.TooSlowError) as exc:
+                if not down:
+                    log.warning("cannot read the proxies' demand from the route store (%s); retrying", exc)
+                    down = True
+            else:
+                down = False
+                found = {app: demand for app, demand in found.items() if app in self._apps}
+                if found != self._remote:
+                    self._remote = found
+                    self._wake_soon()
+            await trio.sleep(self.config.interval)
+
     async def _rounds_forever(self, prober: Prober) -> None:
         """After each prober round: wake the decision loop and whoever waits for a round (a drain)."""
         while True:
@@ -400,8 +410,8 @@ class Autoscaler:
         state.backoff = min(0.1 * 2 ** (state.failures - 1), _MAX_BACKOFF)
         state.hold_until = trio.current_time() + state.backoff
         log.warning("replica failed to start: %s; next start in %.1fs", why, state.backoff)
-        for wakeup in state.wakeups:  # the cold starts waiting on it fail now, not at their timeout
-            wakeup.set()
+        for wait in self._waits.values():  # the requests waiting on it fail now, not at their timeout
+            wait.wake(app)
 
     # -- the driver's life -------------------------------------------------------------------------
 
@@ -428,6 +438,7 @@ class Autoscaler:
                         nursery.start_soon(self._rounds_forever, running)
                         nursery.start_soon(self._decide_forever)
                         nursery.start_soon(self._delete_pending_forever)
+                        nursery.start_soon(self._read_demand_forever)
                         self._open = True
                         self._feed(trio.current_time())
                         for app in self.apps:
@@ -437,6 +448,8 @@ class Autoscaler:
         finally:
             self._open = False
             self._nursery = None
+            for wait in self._waits.values():  # every waiter hears it: no start is coming
+                wait.wake_all()
             with trio.CancelScope(shield=True):  # every replica task has ended: their deletes are done or pending
                 if self._pending:
                     await self._pending.retry(self.store)
@@ -490,19 +503,9 @@ async def open_autoscaler(
     prober = prober or ProberConfig(interval=config.interval, timeout=min(0.5, config.interval))
     # (one_error at both ends: open_upstreams adds a group of its own around what crosses it)
     with one_error():
-        async with (
-            open_upstreams() as upstreams,
-            open_single_flight(join_timeout=math.inf, load_timeout=config.cold_start_timeout) as flights,
-        ):
-            scaler = Autoscaler(
-                policy,
-                {app: templates[app] for app in apps},
-                store,
-                worker,
-                config,
-                upstreams=upstreams,
-                flights=flights,
-            )
+        async with open_upstreams() as upstreams:
+            scaled = {app: templates[app] for app in apps}
+            scaler = Autoscaler(policy, scaled, store, worker, config, upstreams=upstreams)
             with one_error():
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scaler._serve, prober)

@@ -88,8 +88,6 @@ class AppState:
     failures: int = 0  # failed starts in a row
     backoff: float = 0.0
     hold_until: float = -math.inf
-    waiting: int = 0
-    wakeups: set[trio.Event] = attrs.field(factory=set)  # cold-start flights, woken by a failed start
 
 
 async def run_replica(scaler: Autoscaler, replica: Replica) -> None:

@@ -14,7 +14,8 @@ out by the hop's fast path (``relay``) or handler (``handle``), and a
   proxy over pooled h2.
 - :class:`Proxy` maps the authority to an app and the app to a replica
   (in memory), and forwards to the replica's worker, naming the replica in
-  ``x-proxyblocks-replica``.
+  ``x-proxyblocks-replica``. With ``ProxyConfig(cold_start=...)``, a request
+  for an app with no live replica waits for one (:class:`AwaitReplica`).
 - :class:`Worker` relays each stream to its local replica over h2 or h1 and
   counts what is in flight per replica.
 
@@ -28,6 +29,7 @@ from blocks.fields import INTERNAL_PREFIX
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Answer, Exchange, Feature, Forward, Hop
 from blocks.hops._websockets import WebSockets
 from blocks.hops.edge import Edge, EdgeConfig, ToProxy, forwarded_headers, serve_edge
+from blocks.hops.features.cold_start import AwaitReplica, ColdStartConfig, ColdStartStatistics, ReplicaWait
 from blocks.hops.proxy import (
     AppLookup,
     Authorize,
@@ -51,6 +53,9 @@ __all__ = [
     "Answer",
     "AppLookup",
     "Authorize",
+    "AwaitReplica",
+    "ColdStartConfig",
+    "ColdStartStatistics",
     "Edge",
     "EdgeConfig",
     "Exchange",
@@ -66,6 +71,7 @@ __all__ = [
     "Proxy",
     "ProxyConfig",
     "ProxyStatistics",
+    "ReplicaWait",
     "ReportRoute",
     "Router",
     "SessionCount",

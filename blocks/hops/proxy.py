@@ -25,6 +25,7 @@ from blocks.fields import (
     TARGET_HEADER,
 )
 from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener, own_error
+from blocks.hops.features.cold_start import AwaitReplica, ColdStartConfig, ReplicaWait
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
 from blocks.prober import (
@@ -38,6 +39,7 @@ from blocks.prober import (
     open_prober,
 )
 from blocks.routing import (
+    Demand,
     LeastInFlight,
     OutlierConfig,
     OutlierDetector,
@@ -45,6 +47,7 @@ from blocks.routing import (
     Replica,
     RetryBudget,
     RetryBudgetConfig,
+    RouteCache,
     Routes,
 )
 from blocks.scheduler import Scheduler, SchedulerConfig, TenantKey, header_tenant, open_scheduler
@@ -56,6 +59,8 @@ from blocks.transport.multiplexer import UpstreamConfig, Upstreams, open_upstrea
 DEFAULT_OUTLIERS = OutlierConfig()
 """:func:`serve_proxy`'s outlier ejection, on unless ``outliers=None``."""
 
+_STATIC_COLD_START = "cold_start waits for the routes to change: the proxy needs a RouteCache"
+
 DEFAULT_HEALTH = HealthConfig()
 """:func:`serve_proxy`'s active health checks of its workers and ejected replicas, on unless ``health=None``."""
 
@@ -64,10 +69,14 @@ DEFAULT_HEALTH = HealthConfig()
 class ProxyConfig:
     """``name``: the proxy's name in ``via``, Server-Timing and errors.
     ``retry_budget``: what :meth:`Proxy.retry` may spend (:class:`~blocks.routing.RetryBudget`);
-    None retries every request that reached no replica, once."""
+    None retries every request that reached no replica, once.
+    ``cold_start``: a request for an app with no live replica waits for one, bounded
+    (:class:`~blocks.hops.AwaitReplica`; the routes must be a :class:`~blocks.routing.RouteCache`);
+    None: it is a 503 ``no_replica`` at once."""
 
     name: str = "proxy"
     retry_budget: RetryBudgetConfig | None = attrs.field(factory=RetryBudgetConfig)
+    cold_start: ColdStartConfig | None = None
 
 
 @attrs.frozen
@@ -419,7 +428,8 @@ class Proxy(Hop):
 
     Its stack, in order: :class:`ReportRoute`, :class:`AppLookup`, :class:`SessionPin` (with
     ``sessions``), :class:`Authorize` (with ``auth``), the caller's
-    ``features``, admission (with ``scheduler``), :class:`Router`,
+    ``features``, :class:`~blocks.hops.AwaitReplica` (with ``config.cold_start``),
+    admission (with ``scheduler``), :class:`Router`,
     :class:`InFlight`, :class:`Outliers` (with ``outliers``),
     :class:`Mirroring` (with ``mirror``). ``routes`` is a static
     :class:`~blocks.routing.RouteTable` or a :class:`~blocks.routing.RouteCache`
@@ -463,7 +473,15 @@ class Proxy(Hop):
             stack.append(SessionPin(sessions, tenant_key, name))
         if auth is not None:
             stack.append(Authorize(auth, name))
-        stack += [*features, self.router, accounting]
+        stack += features
+        self.cold_start: ReplicaWait | None = None
+        """The requests waiting for a replica, with ``config.cold_start``."""
+        if self.config.cold_start is not None:
+            if not isinstance(routes, RouteCache):
+                raise ValueError(_STATIC_COLD_START)
+            self.cold_start = ReplicaWait(routes, self.config.cold_start)
+            stack.append(AwaitReplica(self.cold_start))
+        stack += [self.router, accounting]
         if outliers is not None:
             stack.append(Outliers(outliers))
         if mirror is not None:
@@ -504,6 +522,18 @@ class Proxy(Hop):
             return None
         route = functools.partial(self.router.forward, exchange, replica)
         return self.send_elsewhere(exchange, status, headers, route, self.retry_budget)
+
+    def demand(self) -> dict[str, Demand]:
+        """What waits here, per app that has something waiting: requests held for a replica
+        (``cold_start``) and session starts in the app's session queue. What the proxy publishes
+        for an autoscaler in another process (:func:`~blocks.sources.demand.serve_demand`)."""
+        waiting = self.cold_start.counts() if self.cold_start is not None else {}
+        queued = self.sessions.statistics().queued if self.sessions is not None else {}
+        demand = {app: Demand(requests=n) for app, n in waiting.items()}
+        for app, n in queued.items():
+            if n:
+                demand[app] = Demand(demand.get(app, Demand()).requests, n)
+        return demand
 
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(dict(self.in_flight), self.router.no_route, self.retried, self.retries_refused)
@@ -564,6 +594,8 @@ async def serve_proxy(
     the shadows are cancelled once the listener has drained. ``features``
     join the proxy's stack after auth and before the router (see :class:`Proxy`).
     """
+    if config is not None and config.cold_start is not None and not isinstance(routes, RouteCache):
+        raise ValueError(_STATIC_COLD_START)
     async with contextlib.AsyncExitStack() as stack:
         upstreams = await stack.enter_async_context(open_upstreams(upstream))
         fair = await stack.enter_async_context(open_scheduler(scheduler)) if scheduler is not None else None

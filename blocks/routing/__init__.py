@@ -13,6 +13,8 @@ All of it is sans-IO: no trio anywhere in this package, no clock of its own
 
 - ``_table``: :class:`Replica`, :class:`Routes`, :class:`RouteTable`;
 - ``_layout``: the store's keys and JSON values, and their helpers;
+- ``_demand``: the demand records proxies publish (:class:`Demand`: what
+  waits for an app there), which an autoscaler reads;
 - ``_settings``: the per-app settings record (:class:`AppSettings`,
   :class:`MirrorSetting`);
 - ``_cache``: :class:`RouteCache` and :class:`RouteEvent`;
@@ -24,6 +26,7 @@ All of it is sans-IO: no trio anywhere in this package, no clock of its own
 
 from blocks.routing._budget import RetryBudget, RetryBudgetConfig, RetryBudgetStatistics
 from blocks.routing._cache import RouteCache, RouteCacheStatistics, RouteEvent
+from blocks.routing._demand import DEMAND_PREFIX, Demand, decode_demand, demand_key, encode_demand, parse_demand_key
 from blocks.routing._layout import (
     decode_domain,
     decode_replica,
@@ -73,6 +76,13 @@ __all__ = [
     "parse_settings_key",
     "route_key_for_domain",
     "route_key_for_replica",
+    # what waits at the proxies (demand records)
+    "DEMAND_PREFIX",
+    "Demand",
+    "decode_demand",
+    "demand_key",
+    "encode_demand",
+    "parse_demand_key",
     # per-app settings
     "AppSettings",
     "MirrorSetting",

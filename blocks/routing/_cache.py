@@ -44,6 +44,7 @@ from typing import Literal
 
 import attrs
 
+from blocks.routing._demand import DEMAND_PREFIX
 from blocks.routing._layout import decode_domain, decode_replica, parse_key
 from blocks.routing._settings import AppSettings, decode_settings, parse_settings_key
 from blocks.routing._table import Replica, app_for
@@ -278,6 +279,8 @@ class RouteCache:
         self, domains: dict[bytes, str], apps: dict[str, dict[str, Replica]], key: str, value: bytes | None
     ) -> str | None:
         """Store ``key``'s value (or, if it is bad, drop its route); the app whose replicas changed, if any."""
+        if key.startswith(DEMAND_PREFIX):
+            return None
         owner = parse_settings_key(key)
         if owner is not None:
             # Settings never change the replica tuples: nothing to rebuild; the listeners hear of it.
@@ -312,6 +315,8 @@ class RouteCache:
         return app
 
     def _delete(self, domains: dict[bytes, str], apps: dict[str, dict[str, Replica]], key: str) -> str | None:
+        if key.startswith(DEMAND_PREFIX):
+            return None
         owner = parse_settings_key(key)
         if owner is not None:
             if self._settings.pop(owner, None) is not None:

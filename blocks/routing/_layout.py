@@ -108,7 +108,8 @@ def encode_replica(
     )
 
 
-def _object(value: bytes) -> dict[str, Any]:
+def json_object(value: bytes) -> dict[str, Any]:
+    """A record's value as a JSON object; ValueError("not JSON" or "not a JSON object") otherwise."""
     try:
         decoded = json.loads(value)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -130,7 +131,7 @@ def _address_field(fields: dict[str, Any], name: str) -> Address:
 
 def decode_domain(value: bytes) -> str:
     """The app a domain's value names; ValueError with a fixed reason if it is not one."""
-    app = _object(value).get("app")
+    app = json_object(value).get("app")
     if not isinstance(app, str) or not app or "/" in app:
         raise ValueError("bad app")
     return app
@@ -138,7 +139,7 @@ def decode_domain(value: bytes) -> str:
 
 def decode_replica(name: str, value: bytes) -> Replica:
     """Replica ``name`` from its value; ValueError with a fixed reason if the value is not one."""
-    fields = _object(value)
+    fields = json_object(value)
     worker = _address_field(fields, "worker")
     address = _address_field(fields, "address")
     protocol = fields.get("protocol", "h2")

@@ -35,6 +35,7 @@ client library: keys and values travel base64-encoded, 64-bit numbers as strings
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import math
 import ssl
@@ -104,8 +105,6 @@ class EtcdSource:
         self.missed_progress = missed_progress
         self.request_timeout = request_timeout
         self.page_size = page_size
-        self._prefix = prefix.encode("utf-8")
-        self._range_end = prefix_range_end(self._prefix)
 
     def __repr__(self) -> str:
         return f"<EtcdSource {self.endpoint.url} prefix={self.prefix!r}>"
@@ -113,6 +112,20 @@ class EtcdSource:
     @property
     def url(self) -> str:
         return self.endpoint.url
+
+    def under(self, prefix: str) -> EtcdSource:
+        """The same etcd (its URL, TLS, headers and timeouts) under another ``prefix``."""
+        other = copy.copy(self)
+        other.prefix = prefix
+        return other
+
+    @property
+    def _prefix(self) -> bytes:
+        return self.prefix.encode("utf-8")
+
+    @property
+    def _range_end(self) -> bytes:
+        return prefix_range_end(self._prefix)
 
     # -- plumbing -----------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ shape ``replicas -> worker -> proxy -> edge`` is written once:
 
 :mod:`blocks.command` runs a chain as a command: flags, a config file, signals;
 the readers of a proxy's config tables are here (:func:`proxy_sections`:
-``[apps.NAME]``, ``[scheduler]``, ``[auth]``, ``[sessions]``, ``[mirror]``),
+``[apps.NAME]``, ``[scheduler]``, ``[auth]``, ``[sessions]``, ``[mirror]``,
+``[cold_start]``),
 and :func:`hop_options` turns what they read into each hop's keywords.
 
 Each part is started on its own, so a process that runs one role (only a
@@ -25,7 +26,7 @@ role, several proxies and workers, the fleet's etcd), checked up front.
 """
 
 from blocks.topology._chain import BuildChain, Chain, ServeReplica, behind_workers, open_chain, serve_chain
-from blocks.topology._plan import ROLES, ChainPlan
+from blocks.topology._plan import ROLES, ROUTED_COLD_START, ChainPlan
 from blocks.topology._records import (
     LOOPBACK,
     REPLICA_SCHEMES,
@@ -40,10 +41,12 @@ from blocks.topology._records import (
 )
 from blocks.topology._sections import (
     AuthSettings,
+    ColdStartSettings,
     SessionSettings,
     hop_options,
     read_app_settings,
     read_auth,
+    read_cold_start,
     read_mirror,
     read_sessions,
     read_token_keys,
@@ -51,6 +54,7 @@ from blocks.topology._sections import (
 
 __all__ = [
     "ROLES",
+    "ROUTED_COLD_START",
     "ChainPlan",
     "behind_workers",
     "LOOPBACK",
@@ -59,6 +63,7 @@ __all__ = [
     "AuthSettings",
     "BuildChain",
     "Chain",
+    "ColdStartSettings",
     "ServeReplica",
     "SessionSettings",
     "hop_from_url",
@@ -68,6 +73,7 @@ __all__ = [
     "read_app_settings",
     "read_apps",
     "read_auth",
+    "read_cold_start",
     "read_mirror",
     "read_scheduler",
     "read_sessions",

@@ -43,6 +43,7 @@ from blocks.routing import (
     route_key_for_replica,
 )
 from blocks.sources import EmbeddedStore, EtcdSource, RouteSource, reconcile
+from blocks.sources.demand import serve_demand
 from blocks.sources.register import PROXIES_APP, PROXIES_PREFIX, serve_registration
 from blocks.testing import make_self_signed, serve_demo_replica
 from blocks.topology._records import LOOPBACK, App, route_records
@@ -269,7 +270,10 @@ class Chain:
         Returns once the cache holds the source's first snapshot and the
         proxy listens; from then on the cache follows the source's changes
         (:func:`~blocks.reconcile`). ``source`` is any :class:`RouteSource`
-        (an :class:`EtcdSource` shared by several proxies, say). ``options``
+        (an :class:`EtcdSource` shared by several proxies, say); a proxy that
+        holds requests for a replica (``config=ProxyConfig(cold_start=...)``)
+        or has ``sessions`` publishes what waits there in it
+        (:meth:`publish_demand`), for an autoscaler to read. ``options``
         go to :func:`~blocks.serve_proxy` (``port``, ``scheduler``,
         ``upstream``, ``policy``, ``sessions``, ``mirror``...).
         """
@@ -281,7 +285,23 @@ class Chain:
         serve = functools.partial(serve_proxy, self.cache, host=self.host, **options)
         started: tuple[HTTPServer, Proxy] = await self._nursery.start(serve)
         self.proxies.append(started)
+        proxy, store = started[1], source or self.store
+        if (proxy.cold_start is not None or proxy.sessions is not None) and isinstance(
+            store, (EmbeddedStore, EtcdSource)
+        ):
+            await self.publish_demand(store, proxy)
         return started
+
+    async def publish_demand(self, store: EmbeddedStore | EtcdSource, proxy: Proxy) -> None:
+        """Publish what waits at ``proxy`` (:meth:`Proxy.demand`) in ``store`` while the chain serves, for
+        an autoscaler in another process (:func:`~blocks.sources.demand.serve_demand`).
+
+        :meth:`start_proxy` does it for a proxy that holds requests for a
+        replica (``ProxyConfig.cold_start``) or keeps session queues, in the
+        store it routes from.
+        """
+        arrival = proxy.cold_start.wait_arrival if proxy.cold_start is not None else None
+        await self._nursery.start(functools.partial(serve_demand, store, proxy.name, proxy.demand, arrival=arrival))
 
     async def start_edge(
         self,

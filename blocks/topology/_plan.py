@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from blocks.hops import ProxyConfig
+from blocks.hops import ColdStartConfig, ProxyConfig
 from blocks.routing import Address
 from blocks.scheduler import SchedulerConfig
 from blocks.sessions import WorkerSessionConfig
@@ -34,6 +34,9 @@ from blocks.topology._records import LOOPBACK, App, replica_from_url
 from blocks.transport.multiplexer import UpstreamConfig
 
 ROLES = ("chain", "edge", "proxy", "worker")
+ROUTED_COLD_START = ColdStartConfig()
+"""A proxy's cold-start wait when it routes from etcd (``--route-source``): an autoscaler elsewhere may
+bring an app up from zero; the config file's ``[cold_start]`` table changes it, or turns it off."""
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -49,7 +52,10 @@ class ChainPlan:
     (an edge's proxies, a proxy's workers). ``name``: a role's hop name.
     ``route_source``: the fleet's etcd (the proxy's routes; a worker and a
     proxy register there, at ``advertise`` or where they listen; an edge
-    finds the proxies there). ``options``: each hop's keywords from the
+    finds the proxies there; a proxy holds a request for an app with no
+    live replica until one is routed, and publishes what waits there for
+    the autoscaler: ``ProxyConfig.cold_start``, :data:`ROUTED_COLD_START`
+    unless the config file's ``[cold_start]`` says otherwise). ``options``: each hop's keywords from the
     config file (and ``replica``: each replica's :class:`~blocks.LocalReplica`
     fields, its ``max_sessions``); ``reread``: new ``replica_urls`` and ``apps`` on reload.
     Every other field is the flag of the same name (docs/recipes.md).
@@ -116,6 +122,16 @@ class ChainPlan:
             name: attrs.evolve(app, replicas={key: attrs.evolve(one, **fields) for key, one in app.replicas.items()})
             for name, app in every.items()
         }
+
+    def proxy_options(self, k: int = 1) -> dict[str, Any]:
+        """The keywords of proxy ``k`` (from 1): the config file's, and its ``config``, a
+        :class:`~blocks.ProxyConfig` with its name and its cold-start wait (:data:`ROUTED_COLD_START`
+        when it routes from etcd, unless the file's ``[cold_start]`` says otherwise)."""
+        options = self._options("proxy")
+        given = options.pop("config", None)
+        base = given or ProxyConfig(cold_start=ROUTED_COLD_START if self.route_source else None)
+        name = self.name or (f"proxy-{k}" if self.proxies > 1 else "proxy")
+        return {**options, "config": attrs.evolve(base, name=name)}
 
     async def build(self, chain: Chain) -> None:
         """Start this plan's parts in ``chain``, back to front (what :func:`~blocks.topology.serve_chain` calls)."""
@@ -189,10 +205,6 @@ class ChainPlan:
         source = EtcdSource(self.route_source) if self.route_source else None
         upstream = UpstreamConfig(response_timeout=self.replica_timeout + 5)  # > the worker's: its 504 shows
         for k in range(1, self.proxies + 1):
-            config = ProxyConfig(name=self.name or (f"proxy-{k}" if self.proxies > 1 else "proxy"))
-            options = self._options("proxy")
-            await chain.start_proxy(
-                source=source, scheduler=self.scheduler, upstream=upstream, config=config, **options
-            )
+            await chain.start_proxy(source=source, scheduler=self.scheduler, upstream=upstream, **self.proxy_options(k))
         if self.role == "proxy" and source is not None:  # known to every edge that follows the etcd
             await chain.register_proxy(source, address=self.advertise or (self.host, chain.proxy_server.port))

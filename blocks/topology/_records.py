@@ -25,6 +25,7 @@ from blocks.scheduler import SchedulerConfig
 from blocks.topology._sections import (
     read_app_settings,
     read_auth,
+    read_cold_start,
     read_mirror,
     read_sessions,
 )
@@ -154,7 +155,8 @@ def read_scheduler(table: object, default: SchedulerConfig) -> SchedulerConfig:
 def proxy_sections(scheduler: SchedulerConfig) -> dict[str, Section]:
     """The tables of a proxy's config file, for ``CommandParser(sections=...)``: ``apps``
     (:func:`read_apps`), ``scheduler`` (:func:`read_scheduler` over ``scheduler``), ``auth``
-    (:func:`read_auth`), ``sessions`` (:func:`read_sessions`) and ``mirror`` (:func:`read_mirror`).
+    (:func:`read_auth`), ``sessions`` (:func:`read_sessions`), ``mirror`` (:func:`read_mirror`) and
+    ``cold_start`` (:func:`read_cold_start`).
     :func:`hop_options` turns what they read into :func:`~blocks.serve_proxy`'s keywords."""
     return {
         "apps": read_apps,
@@ -162,6 +164,7 @@ def proxy_sections(scheduler: SchedulerConfig) -> dict[str, Section]:
         "auth": read_auth,
         "sessions": read_sessions,
         "mirror": read_mirror,
+        "cold_start": read_cold_start,
     }
 
 

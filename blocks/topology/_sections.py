@@ -1,4 +1,4 @@
-"""The proxy's tables in a config file: ``[auth]``, ``[sessions]``, ``[mirror]``, and an app's ``mirror``.
+"""A proxy's tables in a config file: ``[auth]``, ``[sessions]``, ``[mirror]``, ``[cold_start]``, an app's ``mirror``.
 
 Each reader is a :class:`~blocks.command.CommandParser` section: it takes the
 TOML value (and, for key files, the config file's directory as ``base``)
@@ -27,6 +27,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 
+from blocks.hops import ColdStartConfig, ProxyConfig
 from blocks.mirror import MirrorConfig
 from blocks.routing import AppSettings, MirrorSetting, decode_sessions
 from blocks.sessions import SessionConfig, WorkerSessionConfig
@@ -304,6 +305,37 @@ def read_app_settings(value: object, sessions: object = None) -> AppSettings:
     return AppSettings(mirror=mirror, sessions=None if sessions is None else decode_sessions(sessions))
 
 
+# -- [cold_start] --------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ColdStartSettings:
+    """A config file's ``[cold_start]``: the proxy's :class:`~blocks.ColdStartConfig`, or None
+    (``enabled = false``: a request for an app with no live replica is a 503 at once)."""
+
+    config: ColdStartConfig | None
+
+
+_COLD_START = {
+    "enabled": _SWITCH,
+    "timeout": _NUMBER,
+    "max_waiting": _WHOLE,
+    "retry_after": _NUMBER,
+    "apps": _NAMES,
+}
+
+
+def read_cold_start(table: object) -> ColdStartSettings:
+    """A config file's ``[cold_start]`` table: :class:`~blocks.ColdStartConfig`'s knobs (``timeout``,
+    ``max_waiting``, ``retry_after``, ``apps``: the apps whose requests wait, every app by default),
+    and ``enabled`` (true by default; false turns the wait off)."""
+    fields = _table(table, _COLD_START, "cold_start")
+    if not fields.pop("enabled", True):
+        return ColdStartSettings(config=None)
+    floats = {name: float(value) for name, value in fields.items() if _COLD_START[name] is _NUMBER}
+    return ColdStartSettings(config=_built(ColdStartConfig, **(fields | floats)))
+
+
 # -- joining the tables -------------------------------------------------------------------------
 
 
@@ -328,7 +360,9 @@ def hop_options(
     ``[[sessions.keys]]`` or ``[[auth.keys]]``; without ``kid``, the only
     key there is) and ``session_verifier`` (every key of both tables: a
     session start's proxy-auth token is checked by it too), and ``mirror``
-    (with ``[mirror]``, or once an app mirrors). Tables that disagree (a
+    (with ``[mirror]``, or once an app mirrors), and ``config``, a
+    :class:`~blocks.ProxyConfig` whose ``cold_start`` ``[cold_start]`` says
+    (with that table). Tables that disagree (a
     ``kid`` no table has, one kid in both) are ``error("FILE: sessions:
     kid: ...")``, or a ``ValueError`` without ``error``.
     """
@@ -357,6 +391,9 @@ def hop_options(
             error(message)
     if mirror is not None or any(own.mirror is not None for own in app_settings):
         options["mirror"] = mirror or MirrorConfig()
+    cold_start: ColdStartSettings | None = settings.get("cold_start")
+    if cold_start is not None:
+        options["config"] = ProxyConfig(cold_start=cold_start.config)
     return {"proxy": options, "worker": worker, "replica": replica}
 
 
@@ -382,10 +419,12 @@ def _sessions(sessions: SessionSettings, shared: tuple[TokenKey, ...]) -> dict[s
 
 __all__ = [
     "AuthSettings",
+    "ColdStartSettings",
     "SessionSettings",
     "hop_options",
     "read_app_settings",
     "read_auth",
+    "read_cold_start",
     "read_mirror",
     "read_sessions",
     "read_token_keys",
