@@ -153,7 +153,7 @@ PAGE = """<!doctype html>
 <p id="status">not in a room</p>
 <p><button id="create">New room</button> share: <a id="share"></a></p>
 <ul id="messages"></ul>
-<form id="form"><input id="text" autocomplete="off" maxlength="4096"> <button>Send</button></form>
+<form id="form"><input id="text" autocomplete="off" maxlength="4096"> <button id="send">Send</button></form>
 <script>
 const params = new URLSearchParams(location.hash.slice(1)), $ = (id) => document.getElementById(id);
 let ws = null;
@@ -167,9 +167,10 @@ function connect() {
     const m = JSON.parse(event.data);
     if (m.type !== "hello") return add(m);
     $("messages").replaceChildren(); $("status").textContent = "room " + m.room + " on " + m.replica;
+    Object.assign($("status").dataset, {room: m.room, replica: m.replica});
     m.history.forEach(add);
   };
-  ws.onclose = () => { $("status").textContent = "disconnected"; };
+  ws.onclose = () => { $("status").textContent = "disconnected"; delete $("status").dataset.room; };
 }
 $("create").onclick = async () => {
   const answer = await fetch("/.proxyblocks/sessions",

@@ -25,21 +25,13 @@ import httpx
 import pytest
 import trio
 import trio_websocket
-from support import child_process, connect_websocket, wait_for
+from asgi_chat import MAX_MESSAGE
+from support import chat_server, connect_websocket, wait_for
 from test_startup_errors import assert_one_line_error, run_recipe
 
 from recipes.chat import Chat, main
 
-HYPERCORN = [sys.executable, "-m", "hypercorn", "tests.asgi_chat:app", "--bind", "127.0.0.1:0", "-w", "0"]
-"""A chat server of one's own: ``tests/asgi_chat.py``, Hypercorn's asyncio worker, in this one process."""
 COMMAND = shlex.join([sys.executable, "-m", "hypercorn", "tests.asgi_chat:app", "--bind", "{host}:{port}", "-w", "0"])
-
-
-@asynccontextmanager
-async def chat_server() -> AsyncIterator[int]:
-    """A Hypercorn process serving the ASGI chat app: its port."""
-    async with child_process(HYPERCORN, r"Running on http://127\.0\.0\.1:(\d+) ", stderr=True) as (_, match):
-        yield int(match.group(1))
 
 
 async def start_room(chat: Chat) -> httpx.Response:
@@ -137,10 +129,11 @@ async def test_a_websocket_without_a_room_is_refused_by_your_server(nursery: tri
             await chat.shutdown(1)
 
 
-async def test_a_member_who_leaves_takes_no_one_with_them_on_an_http_server(nursery: trio.Nursery) -> None:
+async def test_a_member_who_leaves_or_says_too_much_takes_no_one_with_them(nursery: trio.Nursery) -> None:
     """Over ``http://`` each WebSocket has a connection of its own to Hypercorn. (Over h2c they share
     one, and Hypercorn 0.18 drops it, every member on it, when one member's stream ends after its
-    close: pgjones/hypercorn#329. So the docs send Hypercorn's WebSockets over http://.)"""
+    close: pgjones/hypercorn#329. So the docs send Hypercorn's WebSockets over http://.) The server
+    closes a message over 4,096 characters with 1009, a binary one with 1003: its sender only."""
     with trio.fail_after(30):
         async with chat_server() as port:
             start = functools.partial(main, replica_urls=[f"http://127.0.0.1:{port}"], announce=False)
@@ -150,7 +143,15 @@ async def test_a_member_who_leaves_takes_no_one_with_them_on_an_http_server(nurs
                 async with member(chat, token) as (leaving, _):
                     await say_and_hear(leaving, ws, other, leaving)
                 await say_and_hear(ws, ws, other)
+                for message, code in (("x" * (MAX_MESSAGE + 1), 1009), (b"binary", 1003)):
+                    async with member(chat, token) as (loud, _):
+                        await loud.send_message(message)
+                        with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                            await loud.get_message()
+                        assert closed.value.reason.code == code
                 await say_and_hear(other, ws, other)
+            async with member(chat, token) as (_, hello):  # what the room kept
+                assert [m["text"] for m in hello["history"]] == [f"hello from {id(x)}" for x in (leaving, ws, other)]
             await chat.shutdown(1)
 
 
