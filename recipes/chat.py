@@ -109,7 +109,7 @@ async def main(
     """Start the chat chain; report a :class:`Chat` once the edge takes traffic; run until shut down.
     Each setting is the flag of its name; a mix of them that says two things is a ``ValueError``."""
     if sum(map(bool, (replicas, replica_urls, command))) > 1:
-        raise ValueError("--replicas (demo servers), --replica (your servers) or --command (the autoscaler's): one")
+        raise ValueError("one of --replicas (demo servers), --replica (your servers) or --command (the autoscaler's)")
     if not command and (protocol, min_replicas, max_replicas) != (None, None, None):
         raise ValueError("--protocol, --min-replicas and --max-replicas go with --command")
     key = TokenKey.hmac("chat-1", secrets.token_bytes(32))  # a real fleet shares its keys (docs/tokens.md)

@@ -113,10 +113,12 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     session = next((value.decode() for name, value in scope["headers"] if name == SESSION), None)
     await receive()  # websocket.connect
     if scope["path"] != "/ws" or session is None:
-        status = 404 if scope["path"] != "/ws" else 403
-        start = {"type": "websocket.http.response.start", "status": status, "headers": fields}
-        await send(start)
-        await send({"type": "websocket.http.response.body", "body": b"join a room first\n"})
+        status, body = (404, b"no such WebSocket\n") if scope["path"] != "/ws" else (403, b"join a room first\n")
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close"})  # the server answers 403
+            return
+        await send({"type": "websocket.http.response.start", "status": status, "headers": fields})
+        await send({"type": "websocket.http.response.body", "body": body})
         return
     await send({"type": "websocket.accept", "headers": fields})
     joined, member = room(session), Member()
