@@ -5,6 +5,18 @@ Run it:
     python -m recipes.chat                  # prints the URL to open, with a proxy-auth token in it
     python -m recipes.chat --port 8080 --replicas 3 --rooms-per-replica 2
 
+In front of your own chat servers instead of the demo ones (any HTTP server
+that takes WebSockets; a room is the ``x-proxyblocks-session`` field of each
+request; ``tests/asgi_chat.py`` is one, a plain ASGI app):
+
+    python -m hypercorn tests.asgi_chat:app --bind 127.0.0.1:9001 &
+    python -m hypercorn tests.asgi_chat:app --bind 127.0.0.1:9002 &
+    python -m recipes.chat --replica http://127.0.0.1:9001 --replica http://127.0.0.1:9002
+
+or started by the autoscaler as the rooms need them, none before the first:
+
+    python -m recipes.chat --command 'python -m hypercorn tests.asgi_chat:app --bind {host}:{port} -w 0'
+
 Poke it:
 
     open the printed http://127.0.0.1:PORT/#auth=TOKEN in a browser, press
@@ -19,10 +31,14 @@ Poke it:
 The topology: edge (h1 and h2; WebSockets arrive as h1 Upgrade) -> proxy
 (sessions for the ``chat`` app: a start needs the proxy-auth token, a session
 token then routes every request and WebSocket of the room to its replica) ->
-worker (keeps the sessions, ends idle ones) -> chat replicas (a page and a
-trio-websocket server on one port; the worker reaches them over h2 extended
-CONNECT). A replica hosts at most --rooms-per-replica rooms; when all are
-full, a new room waits in the proxy's fair queue, then gets a 503.
+worker (keeps the sessions, ends idle ones) -> chat replicas (the demo's: a
+page and a trio-websocket server on one port, reached over h2 extended
+CONNECT; yours: as their URL says, ``http://`` by Upgrade). A replica hosts
+at most --rooms-per-replica rooms; when all are full, a new room waits in
+the proxy's fair queue, then gets a 503. With --command, the autoscaler
+keeps rooms / --rooms-per-replica replicas (rounded up) and one spare while
+any room is open, within --min-replicas and --max-replicas; a room started
+with none waits for the first.
 
 Ctrl-C (or SIGTERM) drains the chain (open WebSockets get --grace seconds);
 a second Ctrl-C stops at once.
@@ -30,39 +46,35 @@ a second Ctrl-C stops at once.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import secrets
 import time
+from collections.abc import Sequence
 
 import attrs
 import trio
 
-from blocks import (
-    Chain,
-    CommandParser,
-    Keyring,
-    SessionConfig,
-    TokenIssuer,
-    TokenKey,
-    TokenVerifier,
-    WorkerSessionConfig,
-    run_until_signal,
-    serve_chain,
-    serve_websocket_app,
-)
+from blocks import Chain, CommandParser, UpstreamConfig, run_until_signal, serve_chain, serve_websocket_app
+from blocks.autoscaler import AutoscalePolicy, Autoscaler, ColdStartGate, ReplicaTemplate, ScalingConfig
 from blocks.command import Operations, at_least, port_number, seconds
+from blocks.sessions import SessionConfig, WorkerSessionConfig
 from blocks.testing import MAX_MESSAGE, ChatApp
+from blocks.tokens import Keyring, TokenIssuer, TokenKey, TokenVerifier
+from blocks.topology import replica_from_url, replica_url
 
 __all__ = ["MAX_MESSAGE", "Chat", "main"]
 
 
 @attrs.define(eq=False)
 class Chat:
-    """A running chat chain, as ``main`` reports it to ``task_status``: the chain and its chat apps."""
+    """A running chat chain, as ``main`` reports it to ``task_status``: the chain, its demo chat apps
+    (none with your servers) and, with a ``command``, the autoscaler that runs them."""
 
     chain: Chain
     apps: dict[str, ChatApp]
     issuer: TokenIssuer
+    scaler: Autoscaler | None = None
 
     @property
     def url(self) -> str:
@@ -82,35 +94,50 @@ class Chat:
 async def main(
     *,
     port: int = 0,
-    replicas: int = 2,
+    replicas: int | None = None,
+    replica_urls: Sequence[str] = (),
+    command: str | None = None,
+    protocol: str | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
     rooms_per_replica: int = 8,
     idle_timeout: float = 600.0,
     operations: Operations | None = None,
     announce: bool = True,
     task_status: trio.TaskStatus[Chat] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the chat chain; report a :class:`Chat` once the edge takes traffic; run until shut down."""
-    if replicas < 1 or rooms_per_replica < 1:
-        raise ValueError("--replicas and --rooms-per-replica must be at least 1")
+    """Start the chat chain; report a :class:`Chat` once the edge takes traffic; run until shut down.
+    Each setting is the flag of its name; a mix of them that says two things is a ``ValueError``."""
+    if sum(map(bool, (replicas, replica_urls, command))) > 1:
+        raise ValueError("one of --replicas (demo servers), --replica (your servers) or --command (the autoscaler's)")
+    if not command and (protocol, min_replicas, max_replicas) != (None, None, None):
+        raise ValueError("--protocol, --min-replicas and --max-replicas go with --command")
     key = TokenKey.hmac("chat-1", secrets.token_bytes(32))  # a real fleet shares its keys (docs/tokens.md)
-    issuer = TokenIssuer(key)
-    apps = {f"chat-{i}": ChatApp(f"chat-{i}") for i in range(replicas)}
+    issuer, verifier = TokenIssuer(key), TokenVerifier(Keyring([key]))
+    apps = {} if replica_urls or command else {f"chat-{i}": ChatApp(f"chat-{i}") for i in range(replicas or 2)}
+    local = {f"chat-{i}": replica_from_url(url, max_sessions=rooms_per_replica) for i, url in enumerate(replica_urls)}
+    template = ReplicaTemplate(command=command, protocol=protocol or "h1", domains=["*"]) if command else None
+    limits = {"min_replicas": min_replicas or 0, "max_replicas": max_replicas or 5, "buffer_replicas": 1}
+    scaling = ScalingConfig(target_concurrency=rooms_per_replica, unit="sessions", up_window=2.0, **limits)
+    scalers: list[Autoscaler] = []
 
     async def build(chain: Chain) -> None:
-        local = {
-            name: await chain.start_replica(
-                name, functools.partial(serve_websocket_app, app.websocket, app.page), max_sessions=rooms_per_replica
-            )
-            for name, app in apps.items()
-        }
-        await chain.start_worker(local, app="chat", sessions=WorkerSessionConfig(idle_timeout=idle_timeout))
-        sessions = SessionConfig(apps={"chat"}, ttl=24 * 3600)
-        verifier = TokenVerifier(Keyring([key]))
-        await chain.start_proxy(sessions=sessions, session_issuer=issuer, session_verifier=verifier)
+        for name, app in apps.items():
+            serve = functools.partial(serve_websocket_app, app.websocket, app.page)
+            local[name] = await chain.start_replica(name, serve, max_sessions=rooms_per_replica)
+        sessions = WorkerSessionConfig(idle_timeout=idle_timeout)
+        upstream = UpstreamConfig(h2_idle_timeout=4.0)  # idle out before Hypercorn's and uvicorn's 5 s keep-alive
+        await chain.start_worker(local, app=None if template else "chat", sessions=sessions, upstream=upstream)
+        if template:
+            scalers.append(await chain.start_autoscaler(AutoscalePolicy({"chat": scaling}), {"chat": template}))
+        config = SessionConfig(apps={"chat"}, ttl=24 * 3600, max_per_replica=rooms_per_replica)
+        features = [ColdStartGate(scaler, chain.cache) for scaler in scalers]
+        await chain.start_proxy(features=features, sessions=config, session_issuer=issuer, session_verifier=verifier)
         await chain.start_edge(port=port)
 
     async with trio.open_nursery() as nursery:
-        chat = Chat(await nursery.start(functools.partial(serve_chain, build, operations=operations)), apps, issuer)
+        chain = await nursery.start(functools.partial(serve_chain, build, operations=operations))
+        chat = Chat(chain, apps, issuer, *scalers)
         if announce:
             print(f"chat on {chat.url}/#auth={chat.auth_token()}", flush=True)
         task_status.started(chat)
@@ -118,14 +145,19 @@ async def main(
 
 def run() -> None:
     parser = CommandParser(prog="python -m recipes.chat", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=port_number, default=0, help="edge port (0: any free port)")
-    parser.add_argument("--replicas", type=at_least(1), default=2, help="chat replicas behind the worker")
-    parser.add_argument("--rooms-per-replica", type=at_least(1), default=8, help="sessions (rooms) one replica hosts")
+    flag = functools.partial(parser.add_argument, default=argparse.SUPPRESS)  # (not given: main's default)
+    flag("--port", type=port_number, help="edge port (default: 0, any free port)")
+    flag("--replicas", type=at_least(1), help="demo chat replicas behind the worker (default: 2)")
+    flag("--replica", dest="replica_urls", action="append", type=replica_url, metavar="URL", help="your chat server")
+    flag("--command", help="a chat server's command line, the autoscaler's: {port}, {host}, {name}, {app}")
+    flag("--protocol", choices=["h1", "h2"], help="what the worker speaks to --command's servers (default: h1)")
+    flag("--min-replicas", type=at_least(0), help="--command: never fewer (default: 0, scale to zero)")
+    flag("--max-replicas", type=at_least(1), help="--command: never more (default: 5)")
+    flag("--rooms-per-replica", type=at_least(1), help="sessions (rooms) one replica hosts (default: 8)")
     parser.add_argument("--grace", type=seconds, default=5.0, help="seconds requests in flight get on shutdown")
-    args = parser.parse_args()
-    start = functools.partial(main, port=args.port, replicas=args.replicas, operations=args.operations)
-    start = functools.partial(start, rooms_per_replica=args.rooms_per_replica)
-    run_until_signal(start, grace=args.grace)
+    settings = vars(parser.parse_args())
+    grace, *_ = (settings.pop(name) for name in ("grace", "config", "log_level"))
+    run_until_signal(functools.partial(main, **settings), grace=grace)
 
 
 if __name__ == "__main__":

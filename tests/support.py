@@ -730,6 +730,17 @@ async def hypercorn_behind(
         yield await assemble_local(nursery, {"hypercorn": replica}, worker_upstream=worker, proxy_upstream=proxy)
 
 
+HYPERCORN_CHAT = [sys.executable, "-m", "hypercorn", "tests.asgi_chat:app", "--bind", "127.0.0.1:0", "-w", "0"]
+"""A chat server of one's own: ``tests/asgi_chat.py`` under Hypercorn (its asyncio worker, in this one process)."""
+
+
+@asynccontextmanager
+async def chat_server() -> AsyncIterator[int]:
+    """A Hypercorn process serving the ASGI chat app (HTTP/1.1 and h2c on one port): its port."""
+    async with child_process(HYPERCORN_CHAT, r"Running on http://127\.0\.0\.1:(\d+) ", stderr=True) as (_, match):
+        yield int(match.group(1))
+
+
 BODY = b"served by python's own http.server\n"
 
 

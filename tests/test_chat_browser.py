@@ -3,7 +3,9 @@
 Two browser contexts (two people, separate cookie jars) share one room: one
 creates it, the other opens the share link; messages flow both ways live
 over WebSockets (h1 Upgrade at the edge, extended CONNECT on the h2 hops).
-A reload rejoins the same room on the same replica, with its history.
+A reload rejoins the same room on the same replica, with its history. The
+same again with ``tests/asgi_chat.py``'s own page, the chat servers being
+Hypercorn processes behind ``--replica http://``.
 
 Rules: loopback only, port 0; the chain runs in the test's trio loop and the
 browser in a worker thread (Playwright's sync API runs its own loop there);
@@ -19,6 +21,7 @@ from typing import Any
 
 import trio
 from playwright.sync_api import Page, sync_playwright
+from support import chat_server
 
 from recipes.chat import Chat, main
 
@@ -98,3 +101,24 @@ async def test_two_pages_share_a_room_and_a_reload_rejoins_it_on_the_same_replic
     assert chat.chain.worker.sessions is not None
     assert chat.chain.worker.sessions.statistics().active == {alice["replica"]: 1, other: 0}
     chat.stop()
+
+
+async def test_the_same_with_your_chat_servers_under_hypercorn(nursery: trio.Nursery) -> None:
+    """``tests/asgi_chat.py``'s own page, served by two Hypercorn processes behind ``--replica http://``."""
+    with trio.fail_after(120):
+        async with chat_server() as one, chat_server() as two:
+            urls = [f"http://127.0.0.1:{port}" for port in (one, two)]
+            chat: Chat = await nursery.start(functools.partial(main, announce=False, replica_urls=urls))
+            seen = await trio.to_thread.run_sync(
+                functools.partial(_browse, chat.url, chat.auth_token()), abandon_on_cancel=True
+            )
+            await chat.shutdown(1)
+    alice, bob, again = seen["alice"], seen["bob"], seen["alice_reloaded"]
+    assert alice["replica"] in (f"asgi-chat-{one}", f"asgi-chat-{two}")  # Hypercorn's app named itself
+    assert bob["room"] == alice["room"] and bob["replica"] == alice["replica"]
+    assert again["room"] == alice["room"] and again["replica"] == alice["replica"]
+    assert again["messages"] == ["hello from alice", "hi from bob"]  # the room's history, after the reload
+    assert seen["bob_final"]["messages"] == ["hello from alice", "hi from bob", "back again"]
+    assert chat.chain.worker.sessions is not None
+    active = chat.chain.worker.sessions.statistics().active
+    assert sorted(active.values()) == [0, 1]  # one room, on one of the two

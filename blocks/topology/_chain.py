@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shutil
 import ssl
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -13,6 +14,7 @@ from typing import Any
 import attrs
 import trio
 
+from blocks.autoscaler import AutoscalePolicy, Autoscaler, ReplicaTemplate, serve_autoscaler
 from blocks.command import Operations
 from blocks.hops import (
     INTERNAL_LISTENER,
@@ -201,6 +203,33 @@ class Chain:
             address = (self.host, started[0].port)
             self.store.transact(route_records(app, replicas, worker=address, domains=domains, settings=settings))
         return started
+
+    async def start_autoscaler(
+        self,
+        policy: AutoscalePolicy,
+        templates: Mapping[str, ReplicaTemplate],
+        *,
+        worker: Address | None = None,
+        **options: Any,
+    ) -> Autoscaler:
+        """Start an autoscaler (:func:`~blocks.autoscaler.serve_autoscaler`) whose replicas are
+        routed in :attr:`store`, behind ``worker`` (default: the chain's first worker, which reaches
+        each replica by its route: start it with ``app=None``); return it.
+
+        A template whose program is not there is a ``ValueError``, before anything starts.
+        ``options`` go to it (``config``, ``prober``). It stops with the chain, once the chain
+        drained, and its replica processes with it. A proxy given
+        :class:`~blocks.autoscaler.ColdStartGate` of it holds a request for an app at zero until
+        that app's first replica serves.
+        """
+        for app, template in templates.items():
+            program = template.argv(app=app, name=app, port=0)[0]
+            if shutil.which(program) is None:
+                raise ValueError(f"{app}: command {template.command!r}: no program {program!r}")
+        address = worker or (self.host, self.worker_server.port)
+        serve = functools.partial(serve_autoscaler, policy, templates, self.store, worker=address, **options)
+        scaler: Autoscaler = await self._nursery.start(serve)
+        return scaler
 
     async def start(self, serve: Callable[..., Awaitable[object]], *args: object) -> Any:
         """Start another service in the chain's nursery (``nursery.start``: ``serve`` takes

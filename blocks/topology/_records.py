@@ -36,9 +36,10 @@ REPLICA_SCHEMES = {"http": "h1", "h2c": "h2", "https": "https"}
 """The schemes :func:`replica_from_url` takes, and the protocol the worker speaks for each."""
 
 
-def replica_from_url(url: str) -> LocalReplica:
+def replica_from_url(url: str, *, max_sessions: int = 0) -> LocalReplica:
     """A server of yours as a replica: ``http://host:port`` (HTTP/1.1), ``h2c://host:port``
-    (HTTP/2, prior knowledge) or ``https://host:port`` (TLS, ALPN ``h2`` else ``http/1.1``).
+    (HTTP/2, prior knowledge) or ``https://host:port`` (TLS, ALPN ``h2`` else ``http/1.1``),
+    hosting at most ``max_sessions`` sessions (:attr:`LocalReplica.max_sessions`; 0: no limit of its own).
 
     An ``https`` replica's certificate must name ``host`` as written (it is
     the SNI too): a name stays a name, never the address it resolves to.
@@ -56,7 +57,7 @@ def replica_from_url(url: str) -> LocalReplica:
         address = parse_address(rest.rstrip("/"))
     except ValueError:
         raise ValueError(f"{url!r}: a replica URL needs a host and a port (1-65535)") from None
-    return LocalReplica(address, protocol)
+    return LocalReplica(address, protocol, max_sessions=max_sessions)
 
 
 def route_records(
