@@ -17,7 +17,7 @@ What it measures, over h2c on 127.0.0.1 (h2load as the client):
      without, in the same round), with the 95% confidence interval of that
      median (from its order statistics); p50 and p99 of each side;
    - *per hop, in the chain*: each hop's own time from the responses'
-     ``server-timing`` (``proxy-session`` is the token's verify; ``app``
+     ``server-timing`` (``proxy-session`` is the token's read; ``app``
      is the worker's wait for the replica, which gets one more field), in
      the same rounds, sent with ``http.client``;
    - *in isolation*, in this process: the proxy's and the worker's
@@ -34,8 +34,9 @@ What it measures, over h2c on 127.0.0.1 (h2load as the client):
    therefore a floor, printed for what the code costs at its best; the
    verdict rests on the chain: on the added p50 when its interval is
    narrower than the target, else (noise-dominated, said so) on the
-   per-hop figure and the interval's lower bound (the chain does not show,
-   at 95%, more than the target).
+   per-hop figure (which leaves out the time between the hops) and the
+   interval's lower bound (the chain does not show, at 95%, more than the
+   target).
 2. **Starts**, through the same chain: ``POST /.proxyblocks/sessions`` of
    app ``demo`` (two replicas, 100,000 session places each) with a
    proxy-auth token: starts/s at ``-c 4 -m 16``, and the p50/p99 of a
@@ -61,8 +62,8 @@ one a command would use (``--codec``, default ``$PROXYBLOCKS_CODEC``, else
 
 Run it from the repository root (needs h2load: apt-get install nghttp2-client):
 
-    python bench/sessions.py           # 30 rounds of 300 requests each way, 5,000 starts (about 2 minutes)
-    python bench/sessions.py --quick   # 8 rounds of 100, 1,000 starts (about 30 s)
+    python bench/sessions.py           # 30 rounds of 300 requests each way, 5,000 starts (about a minute)
+    python bench/sessions.py --quick   # 8 rounds of 100, 1,000 starts (about 20 s)
 
 ``python bench/sessions.py --serve MODE PORT ...`` is the helper mode that
 starts the chain in a process of its own.
