@@ -175,12 +175,14 @@ def wait_for_port(proc: Process, port: int, timeout: float = 15.0) -> None:
             time.sleep(0.05)
 
 
-def h2load(port: int, args: list[str], timeout: float, log_file: Path | None = None) -> tuple[str, list[str]]:
-    """Run h2load; return its output and what went wrong (failed/errored/non-2xx/hang)."""
+def h2load(
+    port: int, args: list[str], timeout: float, log_file: Path | None = None, *, path: str = "/"
+) -> tuple[str, list[str]]:
+    """Run h2load on ``path``; return its output and what went wrong (failed/errored/non-2xx/hang)."""
     argv = ["h2load", *args]
     if log_file is not None:
         argv.append(f"--log-file={log_file}")
-    argv.append(f"http://{HOST}:{port}/")
+    argv.append(f"http://{HOST}:{port}{path}")
     what = " ".join(argv[1:-1])
     try:
         run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
