@@ -469,3 +469,41 @@ async def test_a_worker_process_keeps_sessions_with_no_sessions_table_of_its_own
         # held to the proxy's max_per_replica of 1 (the 503 above); its own limit, reported, is none
         assert (stats.active, stats.capacity) == ({"replica-0": 1}, {"replica-0": 0})
         assert worker.worker.load()["replica-0"].sessions == 1
+
+
+async def test_a_killed_replica_gives_each_of_its_sessions_session_lost_once(
+    start_fleet: Callable[..., Awaitable[SessionFleet]],
+) -> None:
+    """``kill -9`` of one Hypercorn replica: the first request of its sessions that finds it gone gets
+    ``503 session_lost`` (``replica-unreachable``) from the worker beside it, which ends every session
+    it hosted there: the others hear ``410 session_lost`` (``not-hosted``). None is sent to another
+    replica; the other replicas' sessions do not notice; a new start works."""
+    with trio.fail_after(120):
+        fleet = await start_fleet()
+        dead = fleet.fleet.routed["h1-1"]  # (its name in the routes and the tokens)
+        sessions: list[Session] = []
+        while sum(session.replica == dead for session in sessions) < 3:
+            sessions.append(await fleet.session())
+        fleet.fleet.kill("h1-1")
+        lost = [session for session in sessions if session.replica == dead]
+        answers = []
+        for session in lost:
+            response = await fleet.client.get(fleet.url + "/headers", headers=session.fields())
+            answers.append(
+                (
+                    response.status_code,
+                    response.headers.get("proxyblocks-error"),
+                    response.headers.get("proxyblocks-session-ended"),
+                )
+            )
+        assert answers == [
+            (503, "session_lost; hop=worker-1", "replica-unreachable"),
+            *[(410, "session_lost; hop=worker-1", "not-hosted")] * (len(lost) - 1),
+        ]
+        for session in sessions:
+            if session.replica != dead:
+                assert not (await fleet.request(session)).error
+        assert fleet.wrong() == []
+        fresh = await fleet.session()
+        assert fresh.replica != dead
+        assert not (await fleet.request(fresh)).error
