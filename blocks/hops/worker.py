@@ -90,9 +90,13 @@ class Probes(Feature):
         request = exchange.request
         if request.method == b"DELETE" and request.header(SESSION_HEADER) is None:
             return await worker.drain_replica(request)
+        reachable = True
         if worker.sessions is not None:
             worker.take_on(request)
-        return session_control_response(worker.sessions, request, exchange.hop.clock())
+            if request.method == b"POST":  # (a start, never a request of a session: the network is fine)
+                target = worker.target(request)
+                reachable = target is not None and await _reachable(worker.upstreams, target.address)
+        return session_control_response(worker.sessions, request, exchange.hop.clock(), reachable=reachable)
 
 
 class LocalRoute(Feature):
@@ -366,6 +370,20 @@ class Worker(Hop):
         (the prober's poll then tells the health checker, :func:`~blocks.prober.open_health_checker`)."""
         return load_response(self.name, self.load(), status=503 if self.draining else 200)
 
+    def target(self, request: Request) -> LocalReplica | None:
+        """Where the replica a control request names is (``x-proxyblocks-replica``; for one reached
+        by its route, ``x-proxyblocks-target``), or None if it names none this worker could reach."""
+        key = request.header(REPLICA_HEADER)
+        if key is None:
+            return None
+        target = self.replicas.get(key.decode("latin-1"))
+        if target is None:
+            wire = request.header(TARGET_HEADER)
+            if wire is None:
+                return None
+            target = self._route._target(wire)
+        return target
+
     async def health(self, exchange: Exchange) -> Response:
         """A health check: the hop's own (200, or 503 once draining), or, when it names a replica
         (``x-proxyblocks-replica``, and ``x-proxyblocks-target`` for one reached by its route),
@@ -375,12 +393,9 @@ class Worker(Hop):
         key = request.header(REPLICA_HEADER)
         if key is None or self.draining:
             return await super().health(exchange)
-        target = self.replicas.get(key.decode("latin-1"))
+        target = self.target(request)
         if target is None:
-            wire = request.header(TARGET_HEADER)
-            if wire is None:
-                raise NoRoute(f"replica {key!r} is not on this worker")
-            target = self._route._target(wire)
+            raise NoRoute(f"replica {key!r} is not on this worker")
         if not await _reachable(self.upstreams, target.address):
             raise UpstreamConnectError(f"cannot reach replica {key.decode('latin-1')!r} at {target.address}")
         return text_response(200, "ok\n")

@@ -372,7 +372,9 @@ def _answer(status: int, document: object) -> Response:
     return json_response(status, json.dumps(document, separators=(",", ":")).encode())
 
 
-def session_control_response(tracker: SessionTracker | None, request: Request, now: float) -> Response:
+def session_control_response(
+    tracker: SessionTracker | None, request: Request, now: float, *, reachable: bool = True
+) -> Response:
     """A worker's answer to the proxy's session start (``POST``) or terminate (``DELETE``) at ``now``.
 
     The request names the session (``x-proxyblocks-session``) and the
@@ -382,7 +384,9 @@ def session_control_response(tracker: SessionTracker | None, request: Request, n
     (opened) or 409 (the replica, or the worker, is full) for a start, 200
     (ended) or 404 (no such session) for a terminate; 404 for a replica the
     tracker does not know (or no tracker: the worker keeps no sessions), 405
-    for another method.
+    for another method. A start on a replica the worker cannot reach now
+    (``reachable`` False: it crashed, and lost its sessions) is a 409 too:
+    the proxy places it elsewhere, as on a full one.
     """
     session = request.header(SESSION_HEADER)
     replica = (request.header(REPLICA_HEADER) or b"").decode("ascii", "replace")
@@ -390,7 +394,7 @@ def session_control_response(tracker: SessionTracker | None, request: Request, n
         return _answer(404, {"error": "no such replica, or this worker keeps no sessions"})
     name = session.decode("ascii", "replace")
     if request.method == b"POST":
-        status = 201 if tracker.open(name, replica, now) else 409
+        status = 201 if reachable and tracker.open(name, replica, now) else 409
     elif request.method == b"DELETE":
         status = 200 if tracker.terminate(name) is not None else 404
     else:
