@@ -348,8 +348,8 @@ async def test_the_worker_draining_ends_its_websockets_with_a_close_frame_not_a_
             chain.cancel()
 
 
-HYPERCORN_WS = [sys.executable, "-m", "hypercorn", "tests.asgi_ws_replica:app", "--bind", "127.0.0.1:0", "-k", "trio"]
-"""hypercorn serving ``tests/asgi_ws_replica.py`` (HTTP/1.1 and h2c on one port)."""
+HYPERCORN_WS = [sys.executable, "-m", "hypercorn", "tests.asgi_replica:app", "--bind", "127.0.0.1:0", "-k", "trio"]
+"""hypercorn serving ``tests/asgi_replica.py`` (HTTP/1.1 and h2c on one port; its WebSocket is ``/ws-echo``)."""
 
 
 # -- a replica that is not the project's: Hypercorn ------------------------------------------------------------
@@ -357,7 +357,7 @@ HYPERCORN_WS = [sys.executable, "-m", "hypercorn", "tests.asgi_ws_replica:app", 
 
 @pytest.mark.parametrize("scheme", ["h2c", "http"])
 async def test_a_hypercorn_replicas_websocket_gets_the_close_frame(scheme: str) -> None:
-    """Hypercorn (an ASGI app with a WebSocket route, ``tests/asgi_ws_replica.py``) in a process of its own,
+    """Hypercorn (an ASGI app with a WebSocket route, ``tests/asgi_replica.py``) in a process of its own,
     reached over h2 (RFC 8441) or h1 (Upgrade)."""
     with trio.fail_after(30):
         async with (
@@ -370,9 +370,9 @@ async def test_a_hypercorn_replicas_websocket_gets_the_close_frame(scheme: str) 
             async with httpx.AsyncClient(base_url=chain.url, trust_env=False, timeout=10) as client:
                 session = await start_session(client)
                 async with connect_websocket(
-                    chain.edge.port, "/ws", extra_headers=session_field(session["token"])
+                    chain.edge.port, "/ws-echo", extra_headers=session_field(session["token"])
                 ) as ws:
-                    assert (await ws.get_message()).startswith("hello from hypercorn-")
+                    assert await ws.get_message() == f"hypercorn-{replica.address[1]} {session['session']}"
                     await ws.send_message("echo me")
                     assert await ws.get_message() == "echo me"
                     assert await drain_replica(worker_server.port, "hypercorn") == {
