@@ -229,3 +229,8 @@ __all__ = [
     "route_records",
     "run_until_signal",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -219,6 +219,7 @@ TRANSPORT_MAY_IMPORT = (
     "blocks.timing",
     "blocks._sync",
     "blocks._common",
+    "blocks._meta",
 )
 """The transport layer stands under every block: it imports itself and the shared vocabulary only."""
 
@@ -351,3 +352,20 @@ def test_a_recipe_imports_only_public_names(path: Path) -> None:
                 stray.append(f"from {'.' * node.level}{module}")
             stray += [f"{module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert stray == [], f"{path.name} imports {stray}"
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_public_names_print_their_public_path(namespace: types.ModuleType) -> None:
+    """What a public namespace exports names no private module in its repr, traceback or ``help()``
+    (``blocks._meta.fixup_module_metadata``, trio's), nor do its classes' methods."""
+    private = {}
+    for name in namespace.__all__:
+        value = getattr(namespace, name)
+        objects = [value]
+        if isinstance(value, type):
+            objects += [v for v in vars(value).values() if callable(v) and hasattr(v, "__module__")]
+        for obj in objects:
+            module = getattr(obj, "__module__", None)
+            if isinstance(module, str) and module.startswith("blocks") and "._" in module:
+                private[f"{name}.{getattr(obj, '__name__', '')}"] = module
+    assert private == {}

@@ -42,3 +42,8 @@ __all__ = [
     # the proxy's side of a cold start
     "ColdStartGate",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -85,3 +85,8 @@ __all__ = [
     "serve_proxy",
     "serve_worker",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

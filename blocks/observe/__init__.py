@@ -70,3 +70,8 @@ __all__ = [
     "valid_request_id",
     "valid_traceparent",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

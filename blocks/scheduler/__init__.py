@@ -35,3 +35,8 @@ __all__ = [
     "open_scheduler",
     "token_tenant",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -65,3 +65,8 @@ __all__ = [
     "open_sessions",
     "session_control_response",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -43,3 +43,8 @@ __all__ = [
     "read_route_file",
     "write_route_file",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -119,3 +119,8 @@ __all__ = [
     "ProxyAuthStatistics",
     "take_token",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -20,3 +20,8 @@ taps, upgrades) are public in :mod:`blocks.transport.streams`.
 from blocks._common import Address as Address
 
 __all__ = ["Address"]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from blocks._meta import fixup_module_metadata
 from blocks.errors import BadRequest
 from blocks.http import Handler
 from blocks.transport._h1server import serve_h1
@@ -497,3 +498,6 @@ __all__ = [
     "inherit_listener",
     "serve_http",
 ]
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -55,3 +55,8 @@ __all__ = [
     "tap_splice",
     "use_codec",
 ]
+
+from blocks._meta import fixup_module_metadata  # (last: after every name is bound)
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
+from blocks._meta import fixup_module_metadata
+
 
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     """A server context offering ALPN ``h2`` and ``http/1.1``, TLS 1.2 or newer."""
@@ -43,3 +45,6 @@ __all__ = [
     "client_context",
     "server_context",
 ]
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata

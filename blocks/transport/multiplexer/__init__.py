@@ -59,6 +59,7 @@ from typing import Any
 import attrs
 import trio
 
+from blocks._meta import fixup_module_metadata
 from blocks._sync import Signal
 from blocks.http import Headers, Request, Response
 from blocks.transport import Address
@@ -252,3 +253,7 @@ async def open_upstreams(config: UpstreamConfig | None = None) -> AsyncIterator[
             for pool in upstreams._pools.values():
                 if type(pool) is _H1Pool:
                     pool.close_idle()
+
+
+fixup_module_metadata(__name__, globals())
+del fixup_module_metadata
