@@ -369,3 +369,35 @@ def test_public_names_print_their_public_path(namespace: types.ModuleType) -> No
             if isinstance(module, str) and module.startswith("blocks") and "._" in module:
                 private[f"{name}.{getattr(obj, '__name__', '')}"] = module
     assert private == {}
+
+
+_PRIVATE_REFERENCE = re.compile(r"`~?(blocks(?:\.\w+)*\._\w+[\w.]*)`")
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_public_docstrings_name_no_private_module(namespace: types.ModuleType) -> None:
+    """A public namespace's docstring, and those of what it exports (methods included), point a
+    reader to public paths only: a cross-reference to ``blocks.x._y`` is one they cannot import."""
+    found: dict[str, list[str]] = {}
+    documented: list[tuple[str, object]] = [(namespace.__name__, namespace)]
+    for name in namespace.__all__:
+        value = getattr(namespace, name)
+        documented.append((name, value))
+        if isinstance(value, type):
+            documented += [(f"{name}.{attr}", v) for attr, v in vars(value).items() if callable(v)]
+    for name, obj in documented:
+        refs = _PRIVATE_REFERENCE.findall(getattr(obj, "__doc__", None) or "")
+        if refs and isinstance(obj, (type, types.FunctionType, types.ModuleType)):
+            found[name] = refs
+    assert found == {}
+
+
+def test_every_public_module_says_what_it_exports() -> None:
+    """Every module a user may import (no ``_`` in its path) has ``__all__``."""
+    missing = [
+        str(path.relative_to(BLOCKS))
+        for path in sorted(BLOCKS.rglob("*.py"))
+        if not any(part.startswith("_") and part != "__init__.py" for part in path.relative_to(BLOCKS).parts)
+        and not re.search(r"^__all__\b", path.read_text(), re.MULTILINE)
+    ]
+    assert missing == []

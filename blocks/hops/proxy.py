@@ -580,7 +580,7 @@ async def serve_proxy(
     reached no replica is sent once more, to another (:meth:`Proxy.retry`). With ``prober``, a background
     :func:`~blocks.prober.open_prober` polls every worker in ``routes`` for
     its replicas' load, the proxy's own dispatches correct it, and the
-    default policy becomes :class:`~blocks.prober._core.ProberAware`; ``autoscale``
+    default policy becomes :class:`~blocks.prober.ProberAware`; ``autoscale``
     then gets every app's in-flight (``proxy.load`` is the estimator).
     With ``auth``, apps that require a proxy-auth token get a 401 without
     one, before admission and routing (:class:`~blocks.tokens.ProxyAuth`).
@@ -670,3 +670,21 @@ async def serve_proxy(
         proxy.server = server
         proxy.health_checker = checker
         task_status.started((server, proxy))
+
+
+__all__ = [
+    "AppLookup",
+    "Authorize",
+    "DEFAULT_HEALTH",
+    "DEFAULT_OUTLIERS",
+    "InFlight",
+    "Mirroring",
+    "Outliers",
+    "Proxy",
+    "ProxyConfig",
+    "ProxyStatistics",
+    "ReportRoute",
+    "Router",
+    "SessionPin",
+    "serve_proxy",
+]
