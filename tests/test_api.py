@@ -401,3 +401,24 @@ def test_every_public_module_says_what_it_exports() -> None:
         and not re.search(r"^__all__\b", path.read_text(), re.MULTILINE)
     ]
     assert missing == []
+
+
+VOCABULARY = ("blocks.errors", "blocks.fields", "blocks.timing", "blocks._common")
+"""The words every layer shares. ``blocks.http`` joins them once ``Request.exchange`` is gone (issue 33)."""
+
+
+def test_the_vocabulary_imports_nothing_above_it() -> None:
+    """``errors``, ``fields`` and ``timing`` import only each other and ``_common``, ``TYPE_CHECKING``
+    imports included: no block, no hop."""
+    for module in VOCABULARY:
+        path = BLOCKS / (module.removeprefix("blocks.").replace(".", "/") + ".py")
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "blocks":
+                named.update(f"blocks.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                named.add(node.module)
+            elif isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+        above = {name for name in named if name.startswith("blocks") and name not in VOCABULARY}
+        assert not above, f"{module} imports {sorted(above)}"
