@@ -58,6 +58,7 @@ def test_the_sans_io_list_names_real_modules() -> None:
         "scheduler._core_config",
         "mirror._core",
         "prober._core",
+        "prober._core_signal",
         "tokens",
         "sessions._core",
         "sessions._core_tracker",
@@ -274,7 +275,7 @@ def _package_of(path: Path) -> str:
 def _private_imports(path: Path) -> list[str]:
     """What ``path`` imports that is private to another package: a ``_module`` or a ``_name`` outside its own.
 
-    One exception: a sans-IO core may import another block's core (``blocks.prober._core`` from
+    One exception: a sans-IO core may import another block's core (``blocks.prober._core_signal`` from
     ``blocks/autoscaler/_core.py``), since the block's public package would load its trio driver.
     """
     package = _package_of(path)
