@@ -72,7 +72,6 @@ from blocks.http import (
     Headers,
     Request,
     Response,
-    StreamBody,
     abandon,
     error_response,
     text_response,
@@ -742,9 +741,10 @@ def _reclassified(status: int, head: Headers) -> BlocksError:
 
 def _unread(body: Body) -> bool:
     """Nothing of ``body`` was taken by an upstream, so it can go elsewhere: it ended with nothing in
-    it, or no pool claimed it (a pool claims a body before it reads the first byte of it). An
-    upload whose body comes after its head is still unread when its connect fails."""
-    return body.ended or (type(body) is StreamBody and not body.claimed)
+    it, or it is :attr:`~blocks.http.Body.untouched` (no pool claimed an h2 stream's body; an h1
+    WebSocket's tunnel was not opened). An upload whose body comes after its head is still unread
+    when its connect fails, and so is a WebSocket whose upstream could not be reached."""
+    return body.ended or body.untouched
 
 
 def own_error(headers: Headers, hop: str) -> bytes | None:
