@@ -9,13 +9,10 @@ proxyblocks, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import TYPE_CHECKING
 
 from blocks import fields
-
-if TYPE_CHECKING:
-    from blocks.tokens import TokenReason
 
 
 class BlocksError(Exception):
@@ -380,10 +377,23 @@ class RouteFileError(ValueError):
 # -- tokens -------------------------------------------------------------------------------------
 
 
+class TokenReason(enum.Enum):
+    """Why a token was rejected, in the order the checks run (see :mod:`blocks.tokens`)."""
+
+    TOO_LARGE = "too_large"
+    MALFORMED = "malformed"
+    UNKNOWN_KEY = "unknown_key"
+    BAD_SIGNATURE = "bad_signature"
+    WRONG_KIND = "wrong_kind"
+    WRONG_APP = "wrong_app"
+    EXPIRED = "expired"
+    NOT_YET_VALID = "not_yet_valid"
+
+
 class InvalidToken(Unauthorized):
     """A token failed a check: 401 with ``www-authenticate: Bearer`` if it escapes a handler.
 
-    ``reason`` says which check (a :class:`~blocks.tokens.TokenReason`). Like every
+    ``reason`` says which check (a :class:`TokenReason`). Like every
     :class:`~blocks.errors.BlocksError` message, this one goes to logs and
     statistics only, and it never contains the token.
     """
@@ -394,6 +404,7 @@ class InvalidToken(Unauthorized):
 
 
 __all__ = [
+    "TokenReason",
     "NEXT_HOP_REASONS",
     "REASONS",
     "RETRYABLE_REASONS",

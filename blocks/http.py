@@ -61,6 +61,12 @@ class Body:
         """True when nothing more will come: ``receive()`` would return ``b""``."""
         return False
 
+    @property
+    def untouched(self) -> bool:
+        """True while no upstream has taken any of it, so that it can still go elsewhere (False when
+        that cannot be known: a body that says nothing is treated as taken)."""
+        return False
+
     async def receive(self) -> bytes:
         raise NotImplementedError
 
@@ -265,6 +271,11 @@ class StreamBody(Body):
     def claimed(self) -> bool:
         """Whether a reader that outlives the handler took it over (:meth:`claim`)."""
         return self._claimed
+
+    @property
+    def untouched(self) -> bool:
+        """No pool claimed it (a pool claims a body before it reads the first byte of it)."""
+        return not self._claimed
 
     def claim(self) -> None:
         self._claimed = True

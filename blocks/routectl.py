@@ -164,5 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+__all__ = [
+    "CommandError",
+    "main",
+    "parser",
+]
+
 if __name__ == "__main__":
     sys.exit(main())

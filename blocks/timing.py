@@ -29,7 +29,7 @@ from time import perf_counter
 
 from hpack import NeverIndexedHeaderTuple
 
-from blocks.http import Headers
+from blocks._common import Headers
 
 SERVER_TIMING = b"server-timing"
 

@@ -58,6 +58,7 @@ def test_the_sans_io_list_names_real_modules() -> None:
         "scheduler._core_config",
         "mirror._core",
         "prober._core",
+        "prober._core_signal",
         "tokens",
         "sessions._core",
         "sessions._core_tracker",
@@ -274,7 +275,7 @@ def _package_of(path: Path) -> str:
 def _private_imports(path: Path) -> list[str]:
     """What ``path`` imports that is private to another package: a ``_module`` or a ``_name`` outside its own.
 
-    One exception: a sans-IO core may import another block's core (``blocks.prober._core`` from
+    One exception: a sans-IO core may import another block's core (``blocks.prober._core_signal`` from
     ``blocks/autoscaler/_core.py``), since the block's public package would load its trio driver.
     """
     package = _package_of(path)
@@ -369,3 +370,56 @@ def test_public_names_print_their_public_path(namespace: types.ModuleType) -> No
             if isinstance(module, str) and module.startswith("blocks") and "._" in module:
                 private[f"{name}.{getattr(obj, '__name__', '')}"] = module
     assert private == {}
+
+
+_PRIVATE_REFERENCE = re.compile(r"`~?(blocks(?:\.\w+)*\._\w+[\w.]*)`")
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES, ids=lambda m: m.__name__)
+def test_public_docstrings_name_no_private_module(namespace: types.ModuleType) -> None:
+    """A public namespace's docstring, and those of what it exports (methods included), point a
+    reader to public paths only: a cross-reference to ``blocks.x._y`` is one they cannot import."""
+    found: dict[str, list[str]] = {}
+    documented: list[tuple[str, object]] = [(namespace.__name__, namespace)]
+    for name in namespace.__all__:
+        value = getattr(namespace, name)
+        documented.append((name, value))
+        if isinstance(value, type):
+            documented += [(f"{name}.{attr}", v) for attr, v in vars(value).items() if callable(v)]
+    for name, obj in documented:
+        refs = _PRIVATE_REFERENCE.findall(getattr(obj, "__doc__", None) or "")
+        if refs and isinstance(obj, (type, types.FunctionType, types.ModuleType)):
+            found[name] = refs
+    assert found == {}
+
+
+def test_every_public_module_says_what_it_exports() -> None:
+    """Every module a user may import (no ``_`` in its path) has ``__all__``."""
+    missing = [
+        str(path.relative_to(BLOCKS))
+        for path in sorted(BLOCKS.rglob("*.py"))
+        if not any(part.startswith("_") and part != "__init__.py" for part in path.relative_to(BLOCKS).parts)
+        and not re.search(r"^__all__\b", path.read_text(), re.MULTILINE)
+    ]
+    assert missing == []
+
+
+VOCABULARY = ("blocks.errors", "blocks.fields", "blocks.timing", "blocks._common")
+"""The words every layer shares. ``blocks.http`` joins them once ``Request.exchange`` is gone (issue 33)."""
+
+
+def test_the_vocabulary_imports_nothing_above_it() -> None:
+    """``errors``, ``fields`` and ``timing`` import only each other and ``_common``, ``TYPE_CHECKING``
+    imports included: no block, no hop."""
+    for module in VOCABULARY:
+        path = BLOCKS / (module.removeprefix("blocks.").replace(".", "/") + ".py")
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "blocks":
+                named.update(f"blocks.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                named.add(node.module)
+            elif isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+        above = {name for name in named if name.startswith("blocks") and name not in VOCABULARY}
+        assert not above, f"{module} imports {sorted(above)}"

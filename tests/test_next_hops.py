@@ -34,6 +34,7 @@ from support import (
     RawH2Client,
     TenantReplica,
     closed_port,
+    connect_websocket,
     h2_client,
     serve_tenant_replica,
     start_recipe,
@@ -51,17 +52,21 @@ from blocks import (
     ProxyConfig,
     Replica,
     Request,
+    Response,
     RouteTable,
     UpstreamConfig,
     open_upstreams,
     serve_chain,
     serve_edge,
+    serve_websocket_app,
+    text_response,
 )
 from blocks.errors import REASONS, RETRYABLE_REASONS
 from blocks.fields import ERROR_HEADER
 from blocks.hops.edge import next_hop, own_error
 from blocks.observe import Metrics, RequestIds, served_hop
 from blocks.routing import LeastInFlight, OutlierConfig, OutlierDetector
+from blocks.testing import websocket_echo
 from blocks.timing import parse_server_timing
 from blocks.topology import App, ChainPlan
 
@@ -211,6 +216,37 @@ async def test_a_dead_proxy_is_ejected_and_its_requests_go_to_the_live_one(nurse
             assert answered.status == 200
     assert edge.to_proxy.in_flight == {"proxy-1": 0, "proxy-2": 0}
     assert chain.proxy.statistics().retried == 0  # the retries were the edge's
+
+
+async def test_a_websocket_whose_proxy_cannot_be_reached_opens_through_another(nursery: trio.Nursery) -> None:
+    """A WebSocket's h1 Upgrade that the edge sent to a dead proxy reached nothing: none of the
+    tunnel was read (no 101 went out), so it goes to the live proxy and opens. (An h2 extended
+    CONNECT's body is a stream no pool claimed: the same rule as any upload.)"""
+    dead = (HOST, closed_port())
+    with trio.fail_after(30):
+
+        async def build(chain: Chain) -> None:
+            ws = await chain.start_replica("ws", functools.partial(serve_websocket_app, websocket_echo, _hello))
+            await chain.start_worker({"ws": ws})
+            await chain.start_proxy(config=ProxyConfig(name="proxy-2"))
+
+        chain: Chain = await nursery.start(serve_chain, build)
+        config = EdgeConfig(proxies=[dead, (HOST, chain.proxy_server.port)], health=None)
+        edge_server = await chain.start(functools.partial(serve_edge, config, host=HOST))
+        edge = edge_of(edge_server)
+        # Two WebSockets: whichever proxy the first went to, the second finds proxy-1 with fewer in
+        # flight (or ejected, if the first was sent there): one of them was sent to it, and went on.
+        async with connect_websocket(edge_server.port, "/ws") as first:
+            await first.send_message("first")
+            assert await first.get_message() == "first"
+            async with connect_websocket(edge_server.port, "/ws") as second:
+                await second.send_message("second")
+                assert await second.get_message() == "second"
+        assert edge.retried == 1
+
+
+async def _hello(request: Request) -> Response:
+    return text_response(200, "hello\n")
 
 
 async def test_an_edge_whose_only_proxy_is_unreachable_answers_502_naming_it(nursery: trio.Nursery) -> None:

@@ -24,6 +24,7 @@ from blocks import (
     Headers,
     Hop,
     NoRoute,
+    NoteKey,
     OutlierConfig,
     Proxy,
     Replica,
@@ -157,3 +158,16 @@ def test_closed_gives_back_exactly_what_dispatched_took(booms: list[str | None],
     first_boom = next((phase for phase in booms if phase is not None), None)
     if first_boom is None:
         assert raised is None and len(closed) == len(booms)
+
+
+def test_a_note_key_keeps_one_typed_value_per_exchange_and_keys_never_collide() -> None:
+
+    first: NoteKey[int] = NoteKey("attempts")
+    second: NoteKey[int] = NoteKey("attempts")  # the same name: another key
+    exchange = Exchange(Hop("hop", NO_UPSTREAMS, []), Request(b"GET", b"http", b"a.example", b"/"))
+    assert (first.get(exchange), first.get(exchange, 0), exchange.notes) == (None, 0, None)
+    first.set(exchange, 1)
+    second.set(exchange, 2)
+    first.set(exchange, first.get(exchange, 0) + 10)
+    assert (first.get(exchange), second.get(exchange)) == (11, 2)
+    assert repr(first) == "<NoteKey attempts>"

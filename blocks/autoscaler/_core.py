@@ -76,7 +76,7 @@ from typing import Any, Literal
 import attrs
 
 from blocks._common import finite
-from blocks.prober._core import AutoscaleConfig, AutoscaleSignal
+from blocks.prober._core_signal import AutoscaleConfig, AutoscaleSignal
 
 Phase = Literal["starting", "ready", "draining"]
 """Where a replica is in its life: started, serving (in the routes), or on its way out."""

@@ -26,7 +26,7 @@ Each hop appends its entries to the response's ``server-timing`` header
 """
 
 from blocks.fields import INTERNAL_PREFIX
-from blocks.hops._hop import INTERNAL_LISTENER, Admission, Answer, Exchange, Feature, Forward, Hop
+from blocks.hops._hop import INTERNAL_LISTENER, Admission, Answer, Exchange, Feature, Forward, Hop, NoteKey
 from blocks.hops._websockets import WebSockets
 from blocks.hops.edge import Edge, EdgeConfig, ToProxy, forwarded_headers, serve_edge
 from blocks.hops.features.cold_start import AwaitReplica, ColdStartConfig, ColdStartStatistics, ReplicaWait
@@ -61,6 +61,7 @@ __all__ = [
     "Exchange",
     "Feature",
     "Forward",
+    "NoteKey",
     "Hop",
     "InFlight",
     "LocalReplica",

@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
 import trio
@@ -72,7 +72,6 @@ from blocks.http import (
     Headers,
     Request,
     Response,
-    StreamBody,
     abandon,
     error_response,
     text_response,
@@ -96,6 +95,50 @@ Answer = Callable[["Exchange"], Awaitable[Response]]
 
 Wait = Callable[["Exchange"], Awaitable[None]]
 """What a request waits for before admission (a cold start): see :attr:`Exchange.wait`."""
+
+
+T = TypeVar("T")
+D = TypeVar("D")
+
+
+class NoteKey(Generic[T]):
+    """A typed key for a feature's own per-request state on an :class:`Exchange` (``exchange.notes``),
+    in the spirit of :class:`contextvars.ContextVar`: one module-level key per kind of note, its value
+    type checked by mypy::
+
+        ATTEMPTS: NoteKey[int] = NoteKey("attempts")
+
+        class CountAttempts(Feature):
+            def screen(self, exchange: Exchange) -> None:
+                ATTEMPTS.set(exchange, ATTEMPTS.get(exchange, 0) + 1)
+
+    Keys compare by identity: two features never share a note by a name they both chose.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<NoteKey {self.name}>"
+
+    @overload
+    def get(self, exchange: Exchange) -> T | None: ...
+    @overload
+    def get(self, exchange: Exchange, default: D) -> T | D: ...
+    def get(self, exchange: Exchange, default: object = None) -> object:
+        """This note of ``exchange``, or ``default`` if none was set."""
+        notes = exchange.notes
+        return default if notes is None else notes.get(self, default)
+
+    def set(self, exchange: Exchange, value: T) -> None:
+        """Note ``value`` on ``exchange`` (replacing what was there)."""
+        notes = exchange.notes
+        if notes is None:
+            exchange.notes = {self: value}
+        else:
+            notes[self] = value
 
 
 class Forward:
@@ -141,7 +184,8 @@ class Exchange:
       holding it up (the mirror's copy; :class:`~blocks.transport.Tee`);
     - ``forward``: the route's :class:`Forward`; ``grant``: the scheduler
       slot admission took;
-    - ``notes``: a dict for features of your own (keys of your choosing);
+    - ``notes``: your features' own per-request state, by :class:`NoteKey`
+      (``KEY.get(exchange)``, ``KEY.set(exchange, value)``; None until the first);
     - ``answer_status``: set by a ``response`` hook that re-classifies this
       hop's own error answer (it rewrote the ``proxyblocks-error`` field in
       the head it was given, say ``session_lost`` for ``replica_unreachable``):
@@ -193,7 +237,7 @@ class Exchange:
         self.queued = False
         self.retried = False
         self.down: H2Stream | None = None
-        self.notes: dict[Any, Any] | None = None
+        self.notes: dict[NoteKey[Any], Any] | None = None
         self.start = 0.0
         self._dispatched = 0
         request.exchange = self
@@ -304,7 +348,7 @@ class Feature:
     :class:`~blocks.errors.BlocksError` to answer with its status (a 401,
     a 429); anything else is a bug, logged and answered 500, costing only
     this request. Keep per-request state on the :class:`Exchange`
-    (``exchange.notes`` for your own), never on the feature.
+    (a :class:`NoteKey`'s note for your own), never on the feature.
     """
 
     def screen(self, exchange: Exchange) -> None:
@@ -697,9 +741,10 @@ def _reclassified(status: int, head: Headers) -> BlocksError:
 
 def _unread(body: Body) -> bool:
     """Nothing of ``body`` was taken by an upstream, so it can go elsewhere: it ended with nothing in
-    it, or no pool claimed it (a pool claims a body before it reads the first byte of it). An
-    upload whose body comes after its head is still unread when its connect fails."""
-    return body.ended or (type(body) is StreamBody and not body.claimed)
+    it, or it is :attr:`~blocks.http.Body.untouched` (no pool claimed an h2 stream's body; an h1
+    WebSocket's tunnel was not opened). An upload whose body comes after its head is still unread
+    when its connect fails, and so is a WebSocket whose upstream could not be reached."""
+    return body.ended or body.untouched
 
 
 def own_error(headers: Headers, hop: str) -> bytes | None:

@@ -297,3 +297,14 @@ async def serve_edge(
         )
         edge.server = await nursery.start(serve)
         task_status.started(edge.server)
+
+
+__all__ = [
+    "NEXT_HOP_OUTLIERS",
+    "Edge",
+    "EdgeConfig",
+    "ToProxy",
+    "forwarded_headers",
+    "next_hop",
+    "serve_edge",
+]

@@ -24,7 +24,17 @@ from blocks.fields import (
     SESSIONS_PATH,
     TARGET_HEADER,
 )
-from blocks.hops._hop import INTERNAL_LISTENER, Admission, Exchange, Feature, Forward, Hop, hop_listener, own_error
+from blocks.hops._hop import (
+    INTERNAL_LISTENER,
+    Admission,
+    Exchange,
+    Feature,
+    Forward,
+    Hop,
+    NoteKey,
+    hop_listener,
+    own_error,
+)
 from blocks.hops.features.cold_start import AwaitReplica, ColdStartConfig, ReplicaWait
 from blocks.http import Headers, Response
 from blocks.mirror import Mirror, MirrorConfig, open_mirror
@@ -100,6 +110,10 @@ class AppLookup(Feature):
         exchange.app = self.routes.app_for(exchange.request.authority)
 
 
+_NEW_TOKEN: NoteKey[str] = NoteKey("session-token")  # a moved session's new token, for its answer
+_REPORT: NoteKey[bool] = NoteKey("report-route")  # the edge asked where the request went
+
+
 class SessionPin(Feature):
     """Sticky sessions (:mod:`blocks.sessions`) for the broker's apps.
 
@@ -151,16 +165,13 @@ class SessionPin(Feature):
         assert claims is not None
         tenant = claims.tenant or self.tenant_key(exchange.request)
         exchange.claims, token = await self.broker.restart(claims.app, tenant)
-        notes = exchange.notes
-        if notes is None:
-            notes = exchange.notes = {}
-        notes[SessionPin] = token
+        _NEW_TOKEN.set(exchange, token)
 
     def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
         if exchange.session is None:
             return
         notes = exchange.notes
-        token = notes.get(SessionPin) if notes is not None else None
+        token = notes.get(_NEW_TOKEN) if notes is not None else None
         if token is not None:
             headers.append((SESSION_TOKEN_HEADER, token.encode()))
             cookie = self.broker.cookie(token, exchange.claims.app if exchange.claims is not None else "")
@@ -392,15 +403,11 @@ class ReportRoute(Feature):
         headers = exchange.request.headers
         if headers and headers[-1][0] == REPORT_HEADER:
             headers.pop()
-            notes = exchange.notes
-            if notes is None:
-                exchange.notes = {REPORT_HEADER: True}
-            else:
-                notes[REPORT_HEADER] = True
+            _REPORT.set(exchange, True)
 
     def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
         notes = exchange.notes
-        if notes is not None and REPORT_HEADER in notes:
+        if notes is not None and _REPORT in notes:
             try:
                 tenant = self.tenant_key(exchange.request)
             except Exception:
@@ -580,7 +587,7 @@ async def serve_proxy(
     reached no replica is sent once more, to another (:meth:`Proxy.retry`). With ``prober``, a background
     :func:`~blocks.prober.open_prober` polls every worker in ``routes`` for
     its replicas' load, the proxy's own dispatches correct it, and the
-    default policy becomes :class:`~blocks.prober._core.ProberAware`; ``autoscale``
+    default policy becomes :class:`~blocks.prober.ProberAware`; ``autoscale``
     then gets every app's in-flight (``proxy.load`` is the estimator).
     With ``auth``, apps that require a proxy-auth token get a 401 without
     one, before admission and routing (:class:`~blocks.tokens.ProxyAuth`).
@@ -670,3 +677,21 @@ async def serve_proxy(
         proxy.server = server
         proxy.health_checker = checker
         task_status.started((server, proxy))
+
+
+__all__ = [
+    "AppLookup",
+    "Authorize",
+    "DEFAULT_HEALTH",
+    "DEFAULT_OUTLIERS",
+    "InFlight",
+    "Mirroring",
+    "Outliers",
+    "Proxy",
+    "ProxyConfig",
+    "ProxyStatistics",
+    "ReportRoute",
+    "Router",
+    "SessionPin",
+    "serve_proxy",
+]

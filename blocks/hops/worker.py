@@ -479,3 +479,15 @@ async def _expire_sessions(tracker: SessionTracker) -> None:
         await trio.sleep(interval)
         for session, replica in tracker.expire(trio.current_time()):
             log.debug("session %s on %s ended: idle", session, replica)
+
+
+__all__ = [
+    "HEALTH_CONNECT_TIMEOUT",
+    "LocalReplica",
+    "LocalRoute",
+    "Probes",
+    "SessionCount",
+    "Worker",
+    "WorkerStatistics",
+    "serve_worker",
+]

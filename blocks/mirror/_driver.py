@@ -100,7 +100,7 @@ class MirrorConfig:
     - ``header``, ``host_suffix``: how shadow requests are marked (``""``: no suffix).
     - ``sample_bytes``: the first bytes of each body kept in a compared pair.
     - ``on_mismatch``: called with each reported mismatching
-      :class:`~blocks.mirror._core.MirrorPair`, at most ``report_limit`` per
+      :class:`~blocks.mirror.MirrorPair`, at most ``report_limit`` per
       ``report_interval``; it runs in a shadow task, must not block, and its
       exceptions are logged.
     - ``max_connections``: the shadow pool's connections per shadow address.
@@ -147,7 +147,7 @@ class MirrorStatistics:
     shadow app has no replica. ``in_flight`` and ``buffered`` (bytes) are
     now. ``reported``/``unreported``: mismatches given to ``on_mismatch`` or
     not (over its budget). ``routes``: per route, see
-    :class:`~blocks.mirror._core.RouteComparison`.
+    :class:`~blocks.mirror.RouteComparison`.
     """
 
     in_flight: int

@@ -23,7 +23,14 @@ See docs/observability.md for the endpoints, every metric family and every log f
 
 from blocks.observe._accesslog import AccessLog, AccessLogStatistics, open_access_log
 from blocks.observe._admin import ADMIN_LISTENER, METRICS_CONTENT_TYPE, admin_page, ready, serve_admin, status
-from blocks.observe._ids import RequestIds, new_request_id, new_traceparent, valid_request_id, valid_traceparent
+from blocks.observe._ids import (
+    REQUEST_IDS,
+    RequestIds,
+    new_request_id,
+    new_traceparent,
+    valid_request_id,
+    valid_traceparent,
+)
 from blocks.observe._logging import LEVELS, configure_logging
 from blocks.observe._merged import ProcessAdmin, merge_metrics, serve_merged_admin
 from blocks.observe._metrics import (
@@ -40,6 +47,7 @@ from blocks.observe._metrics import (
 )
 
 __all__ = [
+    "REQUEST_IDS",
     "ADMIN_LISTENER",
     "DEFAULT_BUCKETS",
     "LEVELS",

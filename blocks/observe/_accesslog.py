@@ -56,7 +56,7 @@ import trio
 
 from blocks._sync import one_error
 from blocks.fields import ERROR_HEADER, REPORT_HEADER, ROUTED_HEADER
-from blocks.hops import Exchange, Feature, Forward, Hop
+from blocks.hops import Exchange, Feature, Forward, Hop, NoteKey
 from blocks.http import Headers, Request
 from blocks.observe._ids import REQUEST_ID, TRACEPARENT
 from blocks.scheduler import TenantKey
@@ -110,6 +110,7 @@ class AccessLog(Feature):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
+        self._note: NoteKey[tuple[int, Headers, float, bytes | None]] = NoteKey("access-log")  # its head, per hop
         self.tenant_key = tenant_key
         self.report = report
         self._records: list[_Record] = []
@@ -146,9 +147,9 @@ class AccessLog(Feature):
                     break
         notes = exchange.notes
         if notes is None:
-            exchange.notes = {self: (status, headers, perf_counter(), routed)}
+            exchange.notes = {self._note: (status, headers, perf_counter(), routed)}
         else:
-            notes[self] = (status, headers, perf_counter(), routed)
+            notes[self._note] = (status, headers, perf_counter(), routed)
 
     def closed(self, exchange: Exchange) -> None:
         records = self._records
@@ -167,7 +168,7 @@ class AccessLog(Feature):
                 exchange.app,
                 exchange.replica,
                 exchange.start,
-                notes.get(self) if notes is not None else None,
+                notes.get(self._note) if notes is not None else None,
                 wire.received if wire is not None else None,
                 wire.sent if wire is not None else None,
             )

@@ -26,12 +26,14 @@ import re
 
 from hpack import NeverIndexedHeaderTuple
 
-from blocks.hops import Exchange, Feature
+from blocks.hops import Exchange, Feature, NoteKey
 from blocks.http import Headers
 
 REQUEST_ID = b"x-request-id"
 TRACEPARENT = b"traceparent"
 _IDS = (REQUEST_ID, TRACEPARENT)
+REQUEST_IDS: NoteKey[tuple[bytes, bytes]] = NoteKey("request-ids")
+"""The request's ``(x-request-id, traceparent)``, noted by :class:`RequestIds` for the features after it."""
 
 _SANE_ID = re.compile(rb"[\x21-\x7e]{1,200}").fullmatch
 _TRACEPARENT = re.compile(rb"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}").fullmatch
@@ -124,9 +126,8 @@ class RequestIds(Feature):
     every feature after it, and every hop behind, sees the ids. The
     request's fields are rewritten in ``screen`` (a request that carried
     valid ones costs one scan and no copy), so the proxy, the worker and
-    the replica see them; ``exchange.notes[REQUEST_ID]`` and
-    ``exchange.notes[TRACEPARENT]`` hold them for the features after it
-    (the access log reads them there). The response gets them in place
+    the replica see them; ``blocks.observe.REQUEST_IDS.get(exchange)`` holds them,
+    ``(x-request-id, traceparent)``, for the features after it. The response gets them in place
     of any the upstream sent.
 
     An error the edge answers itself once it sent the request (every proxy
@@ -142,19 +143,20 @@ class RequestIds(Feature):
             _replace(headers, rid, tp)
         notes = exchange.notes
         if notes is None:
-            exchange.notes = {REQUEST_ID: rid, TRACEPARENT: tp}
+            exchange.notes = {REQUEST_IDS: (rid, tp)}
         else:
-            notes[REQUEST_ID] = rid
-            notes[TRACEPARENT] = tp
+            notes[REQUEST_IDS] = (rid, tp)
 
     def response(self, exchange: Exchange, status: int, headers: Headers) -> None:
         notes = exchange.notes
-        if notes is not None and REQUEST_ID in notes:
-            _replace(headers, notes[REQUEST_ID], notes[TRACEPARENT])
+        ids = notes.get(REQUEST_IDS) if notes is not None else None
+        if ids is not None:
+            _replace(headers, *ids)
 
 
 __all__ = [
     "REQUEST_ID",
+    "REQUEST_IDS",
     "TRACEPARENT",
     "RequestIds",
     "new_request_id",

@@ -10,10 +10,6 @@ is ``_health.py``. See docs/prober.md.
 
 from blocks.fields import HEALTH_PATH, LOAD_PATH, PROBE_HEADER
 from blocks.prober._core import (
-    AppAutoscale,
-    AutoscaleConfig,
-    AutoscaleSignal,
-    AutoscaleStatistics,
     LoadEstimator,
     LoadReport,
     LoadStatistics,
@@ -24,6 +20,7 @@ from blocks.prober._core import (
     encode_load,
     parse_load,
 )
+from blocks.prober._core_signal import AppAutoscale, AutoscaleConfig, AutoscaleSignal, AutoscaleStatistics
 from blocks.prober._driver import Prober, ProberStatistics, WorkerProbeStatistics, load_response, open_prober
 from blocks.prober._health import HealthChecker, HealthConfig, HealthStatistics, open_health_checker
 

@@ -31,7 +31,6 @@ from blocks._sync import every, one_error
 from blocks.fields import LOAD_PATH, PROBE_HEADER
 from blocks.http import Request, Response, json_response
 from blocks.prober._core import (
-    AutoscaleSignal,
     LoadEstimator,
     LoadReport,
     ProberConfig,
@@ -39,6 +38,7 @@ from blocks.prober._core import (
     encode_load,
     parse_load,
 )
+from blocks.prober._core_signal import AutoscaleSignal
 
 if TYPE_CHECKING:
     from blocks.routing import Address, Replica

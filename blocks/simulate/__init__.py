@@ -1,6 +1,6 @@
 """The simulator: the library's own policies, fair queue, session placer and autoscaler, in virtual time.
 
-See docs/simulator.md. The engine is :mod:`blocks.simulate._engine`.
+See docs/simulator.md. The engine is :class:`Simulation`.
 
 Theory of operation
 -------------------

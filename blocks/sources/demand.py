@@ -176,3 +176,10 @@ class _Board:
                     await self.release()
         except SourceError:
             pass
+
+
+__all__ = [
+    "DemandStore",
+    "read_demand",
+    "serve_demand",
+]

@@ -334,3 +334,9 @@ def _revision_of(event: RouteEvent) -> int:
 async def _signature(file: trio.Path) -> tuple[int, int, int]:
     result = await file.stat()
     return result.st_mtime_ns, result.st_size, result.st_ino
+
+
+__all__ = [
+    "EmbeddedStore",
+    "EmbeddedStoreStatistics",
+]

@@ -285,3 +285,9 @@ class EtcdSource:
     async def compact(self, revision: int) -> None:
         """Compact the whole store's history up to ``revision`` (physically, before returning)."""
         await self._call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+
+
+__all__ = [
+    "EtcdSource",
+    "prefix_range_end",
+]

@@ -269,3 +269,12 @@ async def _reconcile_for_open(
     task_status: trio.TaskStatus[RouteReconciler] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     await reconcile(source, cache, config=config, rng=rng, task_status=task_status)
+
+
+__all__ = [
+    "ReconcileConfig",
+    "ReconcileStatistics",
+    "RouteReconciler",
+    "open_route_cache",
+    "reconcile",
+]

@@ -88,3 +88,11 @@ async def serve_registration(
                     await source.revoke_lease(lease)
                 except SourceUnavailable:
                     pass  # it ends by itself within ttl
+
+
+__all__ = [
+    "PROXIES_APP",
+    "PROXIES_PREFIX",
+    "RETRY",
+    "serve_registration",
+]

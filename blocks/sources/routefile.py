@@ -273,3 +273,14 @@ def write_route_file(path: str | os.PathLike[str], routes: Mapping[str, bytes]) 
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+__all__ = [
+    "REPLICA_FIELDS",
+    "document_from_routes",
+    "dump_toml",
+    "parse_route_file",
+    "read_route_file",
+    "routes_from_document",
+    "write_route_file",
+]

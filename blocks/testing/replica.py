@@ -43,5 +43,10 @@ def run() -> None:
         parser.exit(2, f"proxyblocks: error: {exc}\n")
 
 
+__all__ = [
+    "main",
+    "run",
+]
+
 if __name__ == "__main__":
     run()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import binascii
-import enum
 import json
 from typing import Final, Literal, NamedTuple
+
+from blocks.errors import TokenReason as TokenReason  # (it lives with the other reasons; re-exported here)
 
 TokenKind = Literal["auth", "session"]
 """``auth``: a proxy-auth token (opens one app). ``session``: a session token (names a session and its replica)."""
@@ -33,19 +34,6 @@ def b64decode(text: bytes) -> bytes:
 
 
 # -- reasons and errors --------------------------------------------------------------------------
-
-
-class TokenReason(enum.Enum):
-    """Why a token was rejected, in the order the checks run (see the package docstring)."""
-
-    TOO_LARGE = "too_large"
-    MALFORMED = "malformed"
-    UNKNOWN_KEY = "unknown_key"
-    BAD_SIGNATURE = "bad_signature"
-    WRONG_KIND = "wrong_kind"
-    WRONG_APP = "wrong_app"
-    EXPIRED = "expired"
-    NOT_YET_VALID = "not_yet_valid"
 
 
 # -- claims -----------------------------------------------------------------------------------

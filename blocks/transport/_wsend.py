@@ -132,7 +132,7 @@ class WebSocketEnd:
                 callback(self)
 
     def take(self, body: Body) -> Body:
-        """The task path's response body: this one reads it (:func:`~blocks.transport._tap.tap_response`)."""
+        """The task path's response body: this one reads it (:func:`~blocks.transport.streams.tap_response`)."""
         if self.inner is not None:
             body = TappedBody(body, self.inner.response)
         if self._refused:

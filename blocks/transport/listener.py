@@ -82,7 +82,7 @@ class ListenerConfig:
 
     ``validate``: check every inbound head fully (RFC 9113 field and
     pseudo-header rules, the header-list cap, one canonical authority; see
-    :mod:`blocks.transport._validate`). On for anything a stranger can reach; internal
+    docs/listener.md). On for anything a stranger can reach; internal
     hops that only hear from a validating hop turn it off, which is where a
     chain's speed comes from.
     """
@@ -418,7 +418,7 @@ async def serve_http(
     context). Returns once a drain has finished.
 
     ``relay`` is a hop's optional fast path for HTTP/2 requests (see
-    :mod:`blocks.transport._splice`): tried first, synchronously, for every h2 request
+    docs/listener.md, splicing): tried first, synchronously, for every h2 request
     with a valid head; when it declines, ``handler`` serves the request.
     ``upstreams``: the hop's pools, kept on the server for their statistics.
     """

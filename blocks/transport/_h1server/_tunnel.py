@@ -50,6 +50,11 @@ class H1TunnelBody(Body):
     def ended(self) -> bool:
         return self._done and not self._broken
 
+    @property
+    def untouched(self) -> bool:
+        """Before :meth:`open` (no 101 went out), nothing of it was read: it can go elsewhere."""
+        return not self._gate.is_set()
+
     def open(self, initial: bytes) -> None:
         """The 101 went out: the client's bytes may flow (``initial``: what h11 read past the head)."""
         self._initial = initial

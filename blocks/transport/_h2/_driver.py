@@ -66,7 +66,7 @@ def in_batch() -> bool:
 
 
 class H2Driver:
-    """A codec (:class:`~blocks.transport._codec.Codec`) on a trio stream, with a coalescing writer."""
+    """A codec (:class:`~blocks.transport.streams.Codec`) on a trio stream, with a coalescing writer."""
 
     peer = "peer"  # who is on the other end, for messages
     handlers: dict[type, Callable[[Any], None]]  # the codec's event class -> its handler (see bind)

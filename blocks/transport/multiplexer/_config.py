@@ -78,7 +78,7 @@ class UpstreamConfig:
 class PoolStatistics:
     """One pool: its open connections (draining ones included), the streams
     on them, and how many requests it sent again on another connection (refused, or cut before any
-    response byte: see :mod:`blocks.transport.multiplexer._h2retry`)."""
+    response byte: see docs/multiplexer.md, GOAWAY and safe retry)."""
 
     address: Address
     protocol: str
