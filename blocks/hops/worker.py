@@ -132,7 +132,7 @@ class LocalRoute(Feature):
         target = self.replicas.get(name)
         if target is None:
             if wire is not None and key:
-                target = self._target(wire)
+                target = self.target(wire)
             elif key or len(self.replicas) != 1:
                 raise NoRoute(f"replica {key!r} is not on this worker")
             else:
@@ -144,7 +144,9 @@ class LocalRoute(Feature):
             exchange.session = session.decode("ascii", "replace")
         return Forward(target.address, headers, protocol=target.protocol)
 
-    def _target(self, wire: bytes) -> LocalReplica:
+    def target(self, wire: bytes) -> LocalReplica:
+        """The replica a proxy's ``x-proxyblocks-target`` value names (parsed once, kept bounded); a value
+        naming nothing reachable is a :class:`~blocks.errors.NoRoute`."""
         target = self._targets.get(wire)
         if target is None:
             protocol, _, address = wire.decode("latin-1").partition(" ")
@@ -290,7 +292,7 @@ class Worker(Hop):
         name = key.decode("ascii", "replace")
         limit = request.header(SESSION_LIMIT_HEADER) or b""
         if name not in tracker.capacities:
-            self._route._target(wire)
+            self._route.target(wire)
             tracker.add(name)
         if limit.isdigit():
             tracker.hold(name, int(limit))
@@ -381,7 +383,7 @@ class Worker(Hop):
             wire = request.header(TARGET_HEADER)
             if wire is None:
                 return None
-            target = self._route._target(wire)
+            target = self._route.target(wire)
         return target
 
     async def health(self, exchange: Exchange) -> Response:
